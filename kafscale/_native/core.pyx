@@ -1,0 +1,484 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Hot-path primitives: CRC32C, varints, Kafka RecordBatch v2 parsing,
+validation, in-place base-offset patching, record iteration and compression
+dispatch.
+
+RecordBatch v2 layout (big-endian), offsets from the batch start:
+  0 baseOffset i64 | 8 batchLength i32 | 12 partitionLeaderEpoch i32 |
+  16 magic i8 | 17 crc u32 | 21 attributes i16 | 23 lastOffsetDelta i32 |
+  27 baseTimestamp i64 | 35 maxTimestamp i64 | 43 producerId i64 |
+  51 producerEpoch i16 | 53 baseSequence i32 | 57 recordCount i32 | 61 records
+The CRC32C covers bytes 21..end, so patching baseOffset or the leader epoch
+never requires recomputing it.
+"""
+from libc.stdint cimport uint8_t, uint32_t, int64_t, uint64_t, int32_t
+from libc.string cimport memcpy
+
+import zlib
+
+cdef extern from "crc32c_impl.h":
+    uint32_t ks_crc32c(uint32_t crc, const uint8_t *p, size_t n, int force_sw) nogil
+
+# Kafka error codes raised by validation.
+CORRUPT_MESSAGE = 2
+INVALID_RECORD = 87
+UNSUPPORTED_COMPRESSION_TYPE = 76
+
+BATCH_HEADER_SIZE = 61
+LOG_OVERHEAD = 12  # baseOffset + batchLength
+
+COMPRESSION_NONE = 0
+COMPRESSION_GZIP = 1
+COMPRESSION_SNAPPY = 2
+COMPRESSION_LZ4 = 3
+COMPRESSION_ZSTD = 4
+CODEC_NAMES = ("none", "gzip", "snappy", "lz4", "zstd")
+
+
+class BatchError(ValueError):
+    """A record batch failed validation; `code` is the Kafka error code."""
+
+    def __init__(self, int code, str message):
+        super().__init__(message)
+        self.code = code
+
+
+def crc32c(const uint8_t[::1] data, uint32_t crc=0):
+    """CRC32C of `data`, continuing from `crc` (0 to start)."""
+    if data.shape[0] == 0:
+        return crc
+    with nogil:
+        crc = ks_crc32c(crc, &data[0], data.shape[0], 0)
+    return crc
+
+
+def crc32c_portable(const uint8_t[::1] data, uint32_t crc=0):
+    """CRC32C computed with the table path only (used to test the fast path)."""
+    if data.shape[0] == 0:
+        return crc
+    with nogil:
+        crc = ks_crc32c(crc, &data[0], data.shape[0], 1)
+    return crc
+
+
+cdef inline int64_t rd_i64(const uint8_t *p) noexcept nogil:
+    cdef uint64_t v = 0
+    cdef int i
+    for i in range(8):
+        v = (v << 8) | p[i]
+    return <int64_t>v
+
+
+cdef inline int32_t rd_i32(const uint8_t *p) noexcept nogil:
+    return <int32_t>((<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3])
+
+
+cdef inline int rd_i16(const uint8_t *p) noexcept nogil:
+    return <short>((p[0] << 8) | p[1])
+
+
+cdef inline void wr_i64(uint8_t *p, int64_t value) noexcept nogil:
+    cdef uint64_t v = <uint64_t>value
+    cdef int i
+    for i in range(7, -1, -1):
+        p[i] = v & 0xff
+        v >>= 8
+
+
+cdef inline void wr_i32(uint8_t *p, int32_t value) noexcept nogil:
+    cdef uint32_t v = <uint32_t>value
+    p[0] = (v >> 24) & 0xff
+    p[1] = (v >> 16) & 0xff
+    p[2] = (v >> 8) & 0xff
+    p[3] = v & 0xff
+
+
+cdef inline Py_ssize_t rd_varlong(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, int64_t *out) noexcept nogil:
+    """Zig-zag varint; returns the new position or -1 when malformed."""
+    cdef uint64_t v = 0
+    cdef int shift = 0
+    cdef uint8_t b
+    while True:
+        if pos >= end or shift > 63:
+            return -1
+        b = p[pos]
+        pos += 1
+        v |= (<uint64_t>(b & 0x7f)) << shift
+        if not (b & 0x80):
+            break
+        shift += 7
+    out[0] = <int64_t>(v >> 1) ^ -(<int64_t>(v & 1))
+    return pos
+
+
+def decode_varint(const uint8_t[::1] data, Py_ssize_t pos=0):
+    """Decode one zig-zag varint; returns (value, new_pos)."""
+    cdef int64_t v
+    cdef Py_ssize_t n = rd_varlong(&data[0] if data.shape[0] else NULL, pos, data.shape[0], &v)
+    if n < 0:
+        raise ValueError("malformed varint")
+    return v, n
+
+
+def encode_varint(int64_t value):
+    """Zig-zag varint bytes of `value`."""
+    cdef uint64_t v = (<uint64_t>value << 1) ^ <uint64_t>(value >> 63)
+    cdef uint8_t buf[10]
+    cdef int n = 0
+    while v >= 0x80:
+        buf[n] = (v & 0x7f) | 0x80
+        v >>= 7
+        n += 1
+    buf[n] = v
+    return bytes(buf[:n + 1])
+
+
+cdef Py_ssize_t walk_records(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, int32_t count) noexcept nogil:
+    """Check that `count` records exist back to back in [pos, end) with
+    offset deltas 0..count-1. Returns 0 when valid, else a negative reason."""
+    cdef int64_t length, v, n_headers, klen
+    cdef Py_ssize_t rec_end, q
+    cdef int32_t i, h
+    for i in range(count):
+        pos = rd_varlong(p, pos, end, &length)
+        if pos < 0 or length < 0 or pos + length > end:
+            return -1
+        rec_end = pos + length
+        q = pos + 1  # attributes
+        q = rd_varlong(p, q, rec_end, &v)  # timestamp delta
+        if q < 0:
+            return -2
+        q = rd_varlong(p, q, rec_end, &v)  # offset delta
+        if q < 0 or v != i:
+            return -3
+        q = rd_varlong(p, q, rec_end, &klen)  # key
+        if q < 0 or klen < -1 or (klen > 0 and q + klen > rec_end):
+            return -4
+        if klen > 0:
+            q += klen
+        q = rd_varlong(p, q, rec_end, &klen)  # value
+        if q < 0 or klen < -1 or (klen > 0 and q + klen > rec_end):
+            return -5
+        if klen > 0:
+            q += klen
+        q = rd_varlong(p, q, rec_end, &n_headers)
+        if q < 0 or n_headers < 0:
+            return -6
+        for h in range(n_headers):
+            q = rd_varlong(p, q, rec_end, &klen)
+            if q < 0 or klen < 0 or q + klen > rec_end:
+                return -7
+            q += klen
+            q = rd_varlong(p, q, rec_end, &klen)
+            if q < 0 or klen < -1 or (klen > 0 and q + klen > rec_end):
+                return -8
+            if klen > 0:
+                q += klen
+        if q != rec_end:
+            return -9
+        pos = rec_end
+    if pos != end:
+        return -10
+    return 0
+
+
+def decompress(int codec, data):
+    """Decompress a batch's records section for `codec` (attributes & 7)."""
+    if codec == COMPRESSION_NONE:
+        return bytes(data)
+    if codec == COMPRESSION_GZIP:
+        return zlib.decompress(data, 47)  # gzip or zlib header, auto-detected
+    if codec == COMPRESSION_SNAPPY:
+        return _snappy_decompress(data)
+    if codec == COMPRESSION_LZ4:
+        import lz4.frame
+        return lz4.frame.decompress(data)
+    if codec == COMPRESSION_ZSTD:
+        import zstandard
+        return zstandard.ZstdDecompressor().decompressobj().decompress(data)
+    raise BatchError(UNSUPPORTED_COMPRESSION_TYPE, f"unknown compression codec {codec}")
+
+
+def compress(int codec, data):
+    """Compress a records section the way Kafka producers do."""
+    if codec == COMPRESSION_NONE:
+        return bytes(data)
+    if codec == COMPRESSION_GZIP:
+        c = zlib.compressobj(6, zlib.DEFLATED, 31)
+        return c.compress(data) + c.flush()
+    if codec == COMPRESSION_SNAPPY:
+        import cramjam
+        return bytes(cramjam.snappy.compress_raw(data))
+    if codec == COMPRESSION_LZ4:
+        import lz4.frame
+        return lz4.frame.compress(data)
+    if codec == COMPRESSION_ZSTD:
+        import zstandard
+        return zstandard.ZstdCompressor().compress(data)
+    raise BatchError(UNSUPPORTED_COMPRESSION_TYPE, f"unknown compression codec {codec}")
+
+
+_XERIAL_MAGIC = b"\x82SNAPPY\x00"
+
+
+def _snappy_decompress(data):
+    """Raw snappy, or the xerial block framing that Java/kafka-python write."""
+    import cramjam
+    buf = bytes(data)
+    if not buf.startswith(_XERIAL_MAGIC):
+        return bytes(cramjam.snappy.decompress_raw(buf))
+    out = []
+    pos = 16  # magic(8) + version(4) + compatible version(4)
+    while pos < len(buf):
+        if pos + 4 > len(buf):
+            raise BatchError(CORRUPT_MESSAGE, "truncated xerial snappy block")
+        n = int.from_bytes(buf[pos:pos + 4], "big")
+        pos += 4
+        out.append(bytes(cramjam.snappy.decompress_raw(buf[pos:pos + n])))
+        pos += n
+    return b"".join(out)
+
+
+cdef class BatchInfo:
+    """Header fields of one RecordBatch located at `position` in a buffer."""
+    cdef readonly Py_ssize_t position
+    cdef readonly Py_ssize_t size
+    cdef readonly int64_t base_offset
+    cdef readonly int32_t last_offset_delta
+    cdef readonly int attributes
+    cdef readonly int64_t base_timestamp
+    cdef readonly int64_t max_timestamp
+    cdef readonly int64_t producer_id
+    cdef readonly int producer_epoch
+    cdef readonly int32_t base_sequence
+    cdef readonly int32_t record_count
+    cdef readonly uint32_t crc
+
+    @property
+    def compression(self):
+        return self.attributes & 7
+
+    @property
+    def last_offset(self):
+        return self.base_offset + self.last_offset_delta
+
+    @property
+    def is_control(self):
+        return bool(self.attributes & 0x20)
+
+    @property
+    def is_transactional(self):
+        return bool(self.attributes & 0x10)
+
+    def __repr__(self):
+        return (f"BatchInfo(position={self.position}, size={self.size}, base_offset={self.base_offset}, "
+                f"records={self.record_count}, codec={CODEC_NAMES[self.attributes & 7] if (self.attributes & 7) < 5 else '?'})")
+
+
+cdef BatchInfo read_header(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, bint verify):
+    cdef Py_ssize_t avail = end - pos
+    cdef int32_t batch_len
+    cdef uint32_t crc, actual
+    if avail < LOG_OVERHEAD:
+        raise BatchError(CORRUPT_MESSAGE, f"truncated batch at byte {pos}: {avail} bytes left")
+    batch_len = rd_i32(p + pos + 8)
+    if batch_len < BATCH_HEADER_SIZE - LOG_OVERHEAD:
+        raise BatchError(CORRUPT_MESSAGE, f"batch length {batch_len} below the v2 header size")
+    if batch_len > avail - LOG_OVERHEAD:
+        raise BatchError(CORRUPT_MESSAGE, f"batch length {batch_len} exceeds the {avail - LOG_OVERHEAD} bytes present")
+    if p[pos + 16] != 2:
+        raise BatchError(INVALID_RECORD, f"record batch magic {p[pos + 16]} is not supported (only v2)")
+    cdef BatchInfo b = BatchInfo.__new__(BatchInfo)
+    b.position = pos
+    b.size = batch_len + LOG_OVERHEAD
+    b.base_offset = rd_i64(p + pos)
+    b.crc = <uint32_t>rd_i32(p + pos + 17)
+    b.attributes = rd_i16(p + pos + 21)
+    b.last_offset_delta = rd_i32(p + pos + 23)
+    b.base_timestamp = rd_i64(p + pos + 27)
+    b.max_timestamp = rd_i64(p + pos + 35)
+    b.producer_id = rd_i64(p + pos + 43)
+    b.producer_epoch = rd_i16(p + pos + 51)
+    b.base_sequence = rd_i32(p + pos + 53)
+    b.record_count = rd_i32(p + pos + 57)
+    if verify:
+        with nogil:
+            actual = ks_crc32c(0, p + pos + 21, b.size - 21, 0)
+        if actual != b.crc:
+            raise BatchError(CORRUPT_MESSAGE, f"batch CRC mismatch: stored {b.crc:#010x}, computed {actual:#010x}")
+    return b
+
+
+def scan_batches(const uint8_t[::1] buf, bint verify=False):
+    """Headers of every RecordBatch packed back to back in `buf`.
+
+    With verify, each CRC is checked. Raises BatchError on any defect."""
+    cdef Py_ssize_t pos = 0, end = buf.shape[0]
+    cdef const uint8_t *p = &buf[0] if end else NULL
+    out = []
+    while pos < end:
+        b = read_header(p, pos, end, verify)
+        out.append(b)
+        pos += b.size
+    return out
+
+
+def validate_batches(const uint8_t[::1] buf, bint deep_compressed=True):
+    """Validate a produce payload: CRCs, headers, and record framing.
+
+    Uncompressed batches have every record walked. Compressed ones are
+    decompressed and walked too when deep_compressed is set. Returns the
+    BatchInfo list; raises BatchError (with a Kafka error code)."""
+    cdef Py_ssize_t end = buf.shape[0]
+    cdef const uint8_t *p
+    cdef int rc
+    cdef const uint8_t[::1] inner
+    if end == 0:
+        raise BatchError(INVALID_RECORD, "empty record set")
+    p = &buf[0]
+    batches = scan_batches(buf, True)
+    for b in batches:
+        if b.record_count <= 0:
+            raise BatchError(INVALID_RECORD, f"batch declares {b.record_count} records")
+        if b.last_offset_delta != b.record_count - 1:
+            raise BatchError(INVALID_RECORD, f"lastOffsetDelta {b.last_offset_delta} does not match {b.record_count} records")
+        if b.is_control or b.is_transactional:
+            raise BatchError(INVALID_RECORD, "transactional and control batches are not supported")
+        codec = b.attributes & 7
+        if codec > 4:
+            raise BatchError(UNSUPPORTED_COMPRESSION_TYPE, f"unknown compression codec {codec}")
+        if codec == 0:
+            rc = walk_records(p, b.position + BATCH_HEADER_SIZE, b.position + b.size, b.record_count)
+        elif deep_compressed:
+            try:
+                plain = decompress(codec, buf[b.position + BATCH_HEADER_SIZE:b.position + b.size])
+            except BatchError:
+                raise
+            except Exception as exc:
+                raise BatchError(CORRUPT_MESSAGE, f"{CODEC_NAMES[codec]} payload does not decompress: {exc}")
+            inner = plain
+            rc = walk_records(&inner[0] if inner.shape[0] else NULL, 0, inner.shape[0], b.record_count)
+        else:
+            rc = 0
+        if rc != 0:
+            raise BatchError(INVALID_RECORD, f"malformed record framing in batch at byte {b.position} (reason {-rc})")
+    return batches
+
+
+def patch_batch(uint8_t[::1] buf, Py_ssize_t position, int64_t base_offset, int32_t leader_epoch):
+    """Write the assigned base offset and leader epoch into a batch in place.
+    Neither field is covered by the batch CRC."""
+    if position < 0 or position + BATCH_HEADER_SIZE > buf.shape[0]:
+        raise IndexError("batch position out of range")
+    wr_i64(&buf[position], base_offset)
+    wr_i32(&buf[position + 12], leader_epoch)
+
+
+def iter_records(BatchInfo batch, const uint8_t[::1] buf):
+    """Decode the records of `batch` (found in `buf`), decompressing as needed.
+
+    Yields (offset, timestamp, key, value, headers) with key/value bytes or
+    None and headers a list of (str, bytes|None)."""
+    cdef const uint8_t[::1] body
+    cdef const uint8_t *p
+    cdef Py_ssize_t pos = 0, end, rec_end
+    cdef int64_t length, ts_delta, off_delta, klen, vlen, nh, hk, hv
+    cdef int32_t i
+    codec = batch.attributes & 7
+    raw = buf[batch.position + BATCH_HEADER_SIZE:batch.position + batch.size]
+    body = decompress(codec, raw) if codec else raw
+    end = body.shape[0]
+    p = &body[0] if end else NULL
+    for i in range(batch.record_count):
+        pos = rd_varlong(p, pos, end, &length)
+        if pos < 0 or length < 0 or pos + length > end:
+            raise BatchError(CORRUPT_MESSAGE, "truncated record")
+        rec_end = pos + length
+        pos += 1
+        pos = rd_varlong(p, pos, rec_end, &ts_delta)
+        pos = rd_varlong(p, pos, rec_end, &off_delta) if pos >= 0 else -1
+        pos = rd_varlong(p, pos, rec_end, &klen) if pos >= 0 else -1
+        if pos < 0 or (klen > 0 and pos + klen > rec_end):
+            raise BatchError(CORRUPT_MESSAGE, "malformed record key")
+        key = None if klen < 0 else bytes(body[pos:pos + klen])
+        pos += max(klen, 0)
+        pos = rd_varlong(p, pos, rec_end, &vlen)
+        if pos < 0 or (vlen > 0 and pos + vlen > rec_end):
+            raise BatchError(CORRUPT_MESSAGE, "malformed record value")
+        value = None if vlen < 0 else bytes(body[pos:pos + vlen])
+        pos += max(vlen, 0)
+        pos = rd_varlong(p, pos, rec_end, &nh)
+        if pos < 0:
+            raise BatchError(CORRUPT_MESSAGE, "malformed header count")
+        headers = []
+        for _ in range(nh):
+            pos = rd_varlong(p, pos, rec_end, &hk)
+            if pos < 0 or hk < 0 or pos + hk > rec_end:
+                raise BatchError(CORRUPT_MESSAGE, "malformed header key")
+            hkey = bytes(body[pos:pos + hk]).decode("utf-8", "replace")
+            pos += hk
+            pos = rd_varlong(p, pos, rec_end, &hv)
+            if pos < 0 or (hv > 0 and pos + hv > rec_end):
+                raise BatchError(CORRUPT_MESSAGE, "malformed header value")
+            headers.append((hkey, None if hv < 0 else bytes(body[pos:pos + hv])))
+            pos += max(hv, 0)
+        pos = rec_end
+        yield batch.base_offset + off_delta, batch.base_timestamp + ts_delta, key, value, headers
+
+
+def build_batch(records, int codec=0, int64_t base_offset=0, int64_t base_timestamp=-1):
+    """Build one RecordBatch v2 from (timestamp, key, value, headers) tuples.
+
+    Used by `kafscale replay`, tests and benchmarks; brokers never rebuild
+    producer batches."""
+    body = bytearray()
+    if not records:
+        raise ValueError("a batch needs at least one record")
+    if base_timestamp < 0:
+        base_timestamp = records[0][0]
+    max_ts = base_timestamp
+    for i, (ts, key, value, headers) in enumerate(records):
+        rec = bytearray(b"\x00")
+        rec += encode_varint(ts - base_timestamp)
+        rec += encode_varint(i)
+        for item in (key, value):
+            if item is None:
+                rec += encode_varint(-1)
+            else:
+                rec += encode_varint(len(item))
+                rec += item
+        rec += encode_varint(len(headers))
+        for hkey, hval in headers:
+            hk = hkey.encode() if isinstance(hkey, str) else hkey
+            rec += encode_varint(len(hk))
+            rec += hk
+            if hval is None:
+                rec += encode_varint(-1)
+            else:
+                rec += encode_varint(len(hval))
+                rec += hval
+        body += encode_varint(len(rec))
+        body += rec
+        max_ts = max(max_ts, ts)
+    payload = compress(codec, bytes(body))
+    n = len(records)
+    out = bytearray(BATCH_HEADER_SIZE + len(payload))
+    cdef uint8_t[::1] o = out
+    wr_i64(&o[0], base_offset)
+    wr_i32(&o[8], <int32_t>(len(out) - LOG_OVERHEAD))
+    wr_i32(&o[12], -1)
+    o[16] = 2
+    o[21] = 0
+    o[22] = codec
+    wr_i32(&o[23], n - 1)
+    wr_i64(&o[27], base_timestamp)
+    wr_i64(&o[35], max_ts)
+    wr_i64(&o[43], -1)
+    o[51] = 0xff
+    o[52] = 0xff
+    wr_i32(&o[53], -1)
+    wr_i32(&o[57], n)
+    out[BATCH_HEADER_SIZE:] = payload
+    cdef uint32_t crc = crc32c(o[21:])
+    wr_i32(&o[17], <int32_t>crc)
+    return bytes(out)

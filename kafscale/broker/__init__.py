@@ -1,0 +1,1 @@
+"""Broker node: listener, request handlers, partition logs."""

@@ -1,0 +1,380 @@
+"""Request handlers: one coroutine per API, taking and returning plain dicts
+shaped by kafscale.protocol.schemas."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kafscale import _native
+from kafscale.config import Config
+from kafscale.metadata.store import MetaStore, TopicExists, TopicMeta
+from kafscale.protocol import schemas
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.framing import RequestHeader
+from kafscale.storage.cache import SegmentCache
+from kafscale.storage.objectstore import ObjectStore
+from kafscale.storage.partition import LogError, PartitionLog
+
+log = logging.getLogger(__name__)
+
+_TOPIC_RE = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")
+# Topic configs accepted by CreateTopics (stored, reported, enforced where noted).
+TOPIC_CONFIGS = {"retention.ms", "retention.bytes", "segment.bytes", "max.message.bytes", "cleanup.policy",
+                 "message.timestamp.type", "segment.ms", "min.insync.replicas", "compression.type"}
+
+Handler = Callable[[RequestHeader, dict[str, Any]], Awaitable[dict[str, Any] | None]]
+
+
+def topic_name_error(name: str) -> str | None:
+    if not _TOPIC_RE.match(name) or name in (".", ".."):
+        return "topic names are 1-249 characters of [a-zA-Z0-9._-], not '.' or '..'"
+    return None
+
+
+class Broker:
+    """Owns the partition logs of one node and answers Kafka requests."""
+
+    def __init__(self, cfg: Config, store: ObjectStore, meta: MetaStore) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.meta = meta
+        self.cache = SegmentCache(cfg.cache_bytes)
+        self.logs: dict[tuple[str, int], PartitionLog] = {}
+        self._opening: dict[tuple[str, int], asyncio.Future[PartitionLog]] = {}
+        self.topics: dict[str, TopicMeta] = {}
+        self._commit_event = asyncio.Event()
+        self.handlers: dict[int, Handler] = {
+            schemas.API_VERSIONS.key: self.api_versions,
+            schemas.METADATA.key: self.metadata,
+            schemas.PRODUCE.key: self.produce,
+            schemas.FETCH.key: self.fetch,
+            schemas.LIST_OFFSETS.key: self.list_offsets,
+            schemas.CREATE_TOPICS.key: self.create_topics,
+            schemas.DELETE_TOPICS.key: self.delete_topics,
+            schemas.INIT_PRODUCER_ID.key: self.init_producer_id,
+        }
+
+    async def close(self) -> None:
+        await asyncio.gather(*(lg.close() for lg in self.logs.values()))
+        self.logs.clear()
+
+    # ----------------------------------------------------------- topics/logs
+    async def topic(self, name: str, auto_create: bool = False) -> TopicMeta | None:
+        meta = self.topics.get(name)
+        if meta is None:
+            meta = await self.meta.get_topic(name)
+            if meta is None and auto_create and self.cfg.auto_create_topics and topic_name_error(name) is None:
+                try:
+                    meta = await self.meta.create_topic(name, self.cfg.default_partitions, {})
+                    log.info("auto-created topic %s", name)
+                except TopicExists:
+                    meta = await self.meta.get_topic(name)
+            if meta is not None:
+                self.topics[name] = meta
+        return meta
+
+    async def topic_by_id(self, topic_id: bytes) -> TopicMeta | None:
+        for meta in self.topics.values():
+            if meta.id == topic_id:
+                return meta
+        for meta in await self.meta.list_topics():
+            self.topics[meta.name] = meta
+            if meta.id == topic_id:
+                return meta
+        return None
+
+    def _notify_commit(self) -> None:
+        self._commit_event.set()
+        self._commit_event = asyncio.Event()
+
+    async def partition_log(self, topic: str, p: int) -> PartitionLog:
+        key = (topic, p)
+        lg = self.logs.get(key)
+        if lg is not None and not lg.closed:
+            return lg
+        pending = self._opening.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[PartitionLog] = asyncio.get_running_loop().create_future()
+        self._opening[key] = fut
+        try:
+            lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self._notify_commit)
+            await lg.open()
+            self.logs[key] = lg
+            fut.set_result(lg)
+            return lg
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters re-raise it
+            raise
+        finally:
+            del self._opening[key]
+
+    # ------------------------------------------------------------ ApiVersions
+    async def api_versions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        keys = [{"api_key": a.key, "min_version": a.min_version, "max_version": a.max_version}
+                for a in sorted(schemas.APIS.values(), key=lambda a: a.key)]
+        return {"error_code": 0, "api_keys": keys, "throttle_time_ms": 0}
+
+    # --------------------------------------------------------------- Metadata
+    def _broker_list(self) -> list[dict[str, Any]]:
+        host, port = self.cfg.advertised_addr()
+        return [{"node_id": self.cfg.node_id, "host": host, "port": port, "rack": None}]
+
+    def _topic_metadata(self, meta: TopicMeta) -> dict[str, Any]:
+        nid = self.cfg.node_id
+        return {"error_code": 0, "name": meta.name, "topic_id": meta.id, "is_internal": False,
+                "partitions": [{"error_code": 0, "partition_index": p, "leader_id": nid, "leader_epoch": 0,
+                                "replica_nodes": [nid], "isr_nodes": [nid], "offline_replicas": []}
+                               for p in range(meta.partitions)]}
+
+    async def metadata(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        wanted = req.get("topics")
+        if wanted is None or (hdr.api_version == 0 and not wanted):
+            metas = await self.meta.list_topics()
+            self.topics.update({m.name: m for m in metas})
+            topics = [self._topic_metadata(m) for m in sorted(metas, key=lambda m: m.name)]
+        else:
+            topics = []
+            auto = req.get("allow_auto_topic_creation", True)
+            for t in wanted:
+                name = t.get("name")
+                meta = await self.topic(name, auto) if name else await self.topic_by_id(t.get("topic_id", b""))
+                if meta is None:
+                    err = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if name else ErrorCode.UNKNOWN_TOPIC_ID
+                    if name and topic_name_error(name):
+                        err = ErrorCode.INVALID_TOPIC_EXCEPTION
+                    topics.append({"error_code": err, "name": name, "topic_id": t.get("topic_id", bytes(16)),
+                                   "partitions": []})
+                else:
+                    topics.append(self._topic_metadata(meta))
+        return {"throttle_time_ms": 0, "brokers": self._broker_list(), "cluster_id": self.cfg.cluster,
+                "controller_id": self.cfg.node_id, "topics": topics}
+
+    # ---------------------------------------------------------------- Produce
+    async def produce(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any] | None:
+        acks = req["acks"]
+        results: list[tuple[dict[str, Any], asyncio.Future[int] | None]] = []
+        responses = []
+        for td in req["topic_data"]:
+            parts = []
+            meta = await self.topic(td["name"], auto_create=True)
+            for pd in td["partition_data"]:
+                r = {"index": pd["index"], "error_code": 0, "base_offset": -1, "log_append_time_ms": -1,
+                     "log_start_offset": -1, "record_errors": [], "error_message": None}
+                parts.append(r)
+                fut = None
+                try:
+                    if acks not in (0, 1, -1):
+                        raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
+                    if req.get("transactional_id") is not None:
+                        raise LogError(ErrorCode.INVALID_REQUEST, "transactions are not supported")
+                    if meta is None or not 0 <= pd["index"] < meta.partitions:
+                        raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{td['name']}/{pd['index']}")
+                    payload = pd["records"]
+                    if payload is None or len(payload) == 0:
+                        raise LogError(ErrorCode.INVALID_RECORD, "no records")
+                    batches = self._validate(payload)
+                    lg = await self.partition_log(meta.name, pd["index"])
+                    base, fut = lg.append(payload, batches, acks != 0)
+                    r["base_offset"] = base
+                    r["log_start_offset"] = lg.log_start
+                except LogError as exc:
+                    r["error_code"], r["error_message"] = exc.code, str(exc)
+                    log.info("produce %s/%s rejected: %s %s", td["name"], pd["index"], exc.code.name, exc)
+                results.append((r, fut))
+            responses.append({"name": td["name"], "partition_responses": parts})
+        if acks == 0:
+            return None
+        await self._await_durable(results, req["timeout_ms"] / 1000)
+        return {"responses": responses, "throttle_time_ms": 0}
+
+    def _validate(self, payload: memoryview) -> list[_native.BatchInfo]:
+        try:
+            batches = _native.validate_batches(payload, self.cfg.validate_compressed)
+        except _native.BatchError as exc:
+            raise LogError(ErrorCode(exc.code), str(exc)) from None
+        for b in batches:
+            if b.size > self.cfg.max_message_bytes:
+                raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"batch of {b.size} bytes exceeds max.message.bytes")
+        return batches
+
+    @staticmethod
+    async def _await_durable(results: list[tuple[dict[str, Any], asyncio.Future[int] | None]],
+                             wait_s: float) -> None:
+        futs = [f for _, f in results if f is not None]
+        if futs:
+            await asyncio.wait(futs, timeout=max(wait_s, 0.001))
+        for r, fut in results:
+            if fut is None:
+                continue
+            if not fut.done():
+                r["error_code"], r["error_message"] = ErrorCode.REQUEST_TIMED_OUT, "not durable within timeout_ms"
+                r["base_offset"] = -1
+                fut.add_done_callback(lambda f: f.exception())  # it may still complete later
+            elif fut.exception() is not None:
+                exc = fut.exception()
+                r["error_code"] = exc.code if isinstance(exc, LogError) else ErrorCode.UNKNOWN_SERVER_ERROR
+                r["error_message"], r["base_offset"] = str(exc), -1
+            else:
+                r["base_offset"] = fut.result()
+
+    # ------------------------------------------------------------------ Fetch
+    async def fetch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        deadline = time.monotonic() + req["max_wait_ms"] / 1000
+        while True:
+            event = self._commit_event
+            responses, total, errors = await self._fetch_once(hdr, req)
+            remaining = deadline - time.monotonic()
+            if total >= req["min_bytes"] or errors or remaining <= 0:
+                return {"throttle_time_ms": 0, "error_code": 0, "session_id": 0, "responses": responses}
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    async def _fetch_once(self, hdr: RequestHeader, req: dict[str, Any]) -> tuple[list[dict[str, Any]], int, bool]:
+        budget = req.get("max_bytes", 0x7FFFFFFF)
+        total, errors = 0, False
+        responses = []
+        for t in req["topics"]:
+            if hdr.api_version >= 13:
+                meta = await self.topic_by_id(t["topic_id"])
+                missing = ErrorCode.UNKNOWN_TOPIC_ID
+            else:
+                meta = await self.topic(t["topic"])
+                missing = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+            parts = []
+            for p in t["partitions"]:
+                r = {"partition_index": p["partition"], "error_code": 0, "high_watermark": -1,
+                     "last_stable_offset": -1, "log_start_offset": -1, "aborted_transactions": None,
+                     "preferred_read_replica": -1, "records": b""}
+                parts.append(r)
+                if meta is None or not 0 <= p["partition"] < meta.partitions:
+                    r["error_code"] = missing
+                    errors = True
+                    continue
+                try:
+                    lg = await self.partition_log(meta.name, p["partition"])
+                    r["high_watermark"] = r["last_stable_offset"] = lg.hw
+                    r["log_start_offset"] = lg.log_start
+                    limit = min(p["partition_max_bytes"], budget - total)
+                    if limit > 0 or total == 0:
+                        data = await lg.read(p["fetch_offset"], max(limit, 1))
+                        if data:
+                            r["records"] = data
+                            total += len(data)
+                except LogError as exc:
+                    r["error_code"] = exc.code
+                    errors = True
+            responses.append({"topic": t.get("topic", meta.name if meta else ""), "topic_id": t.get("topic_id"),
+                              "partitions": parts})
+        return responses, total, errors
+
+    # ------------------------------------------------------------ ListOffsets
+    async def list_offsets(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        topics = []
+        for t in req["topics"]:
+            meta = await self.topic(t["name"])
+            parts = []
+            for p in t["partitions"]:
+                r = {"partition_index": p["partition_index"], "error_code": 0, "old_style_offsets": [],
+                     "timestamp": -1, "offset": -1, "leader_epoch": 0}
+                parts.append(r)
+                if meta is None or not 0 <= p["partition_index"] < meta.partitions:
+                    r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+                    continue
+                lg = await self.partition_log(meta.name, p["partition_index"])
+                ts = p["timestamp"]
+                if ts == -1:
+                    r["offset"] = lg.hw
+                elif ts == -2:
+                    r["offset"] = lg.log_start
+                elif ts < 0:
+                    r["error_code"] = ErrorCode.INVALID_REQUEST
+                else:
+                    r["offset"], r["timestamp"] = await lg.offset_for_timestamp(ts)
+                r["old_style_offsets"] = [r["offset"]] if r["offset"] >= 0 else []
+            topics.append({"name": t["name"], "partitions": parts})
+        return {"throttle_time_ms": 0, "topics": topics}
+
+    # ----------------------------------------------------------- CreateTopics
+    async def create_topics(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        out = []
+        for t in req["topics"]:
+            name = t["name"]
+            n = t["num_partitions"]
+            n = self.cfg.default_partitions if n == -1 else n
+            r = {"name": name, "topic_id": bytes(16), "error_code": 0, "error_message": None,
+                 "num_partitions": n, "replication_factor": 1, "configs": []}
+            out.append(r)
+            configs = {c["name"]: c["value"] for c in t["configs"]}
+            bad_cfg = sorted(set(configs) - TOPIC_CONFIGS)
+            if topic_name_error(name):
+                r["error_code"], r["error_message"] = ErrorCode.INVALID_TOPIC_EXCEPTION, topic_name_error(name)
+            elif n <= 0 or n > 10000:
+                r["error_code"], r["error_message"] = ErrorCode.INVALID_PARTITIONS, f"{n} partitions"
+            elif t["replication_factor"] == 0 or t["replication_factor"] < -1:
+                r["error_code"] = ErrorCode.INVALID_REPLICATION_FACTOR
+                r["error_message"] = "replication factor must be -1 or positive (S3 provides the durability)"
+            elif t["assignments"]:
+                r["error_code"] = ErrorCode.INVALID_REQUEST
+                r["error_message"] = "manual replica assignment is not supported"
+            elif bad_cfg:
+                r["error_code"], r["error_message"] = ErrorCode.INVALID_CONFIG, f"unsupported configs {bad_cfg}"
+            elif req.get("validate_only"):
+                pass
+            else:
+                try:
+                    meta = await self.meta.create_topic(name, n, {k: v for k, v in configs.items() if v is not None})
+                    self.topics[name] = meta
+                    r["topic_id"] = meta.id
+                    log.info("created topic %s with %d partitions", name, n)
+                except TopicExists:
+                    r["error_code"] = ErrorCode.TOPIC_ALREADY_EXISTS
+                    r["error_message"] = f"topic {name} already exists"
+            r["configs"] = [{"name": k, "value": v, "read_only": False, "config_source": 1, "is_sensitive": False}
+                            for k, v in configs.items()]
+        return {"throttle_time_ms": 0, "topics": out}
+
+    # ----------------------------------------------------------- DeleteTopics
+    async def delete_topics(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        wanted: list[tuple[str | None, bytes]] = [(n, bytes(16)) for n in req.get("topic_names") or []]
+        wanted += [(t["name"], t["topic_id"]) for t in req.get("topics") or []]
+        out = []
+        for name, topic_id in wanted:
+            meta = await self.topic(name) if name else await self.topic_by_id(topic_id)
+            r = {"name": name, "topic_id": topic_id, "error_code": 0, "error_message": None}
+            out.append(r)
+            if meta is None:
+                r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if name else ErrorCode.UNKNOWN_TOPIC_ID
+                continue
+            r["name"], r["topic_id"] = meta.name, meta.id
+            await self.drop_topic(meta.name)
+        return {"throttle_time_ms": 0, "responses": out}
+
+    async def drop_topic(self, name: str) -> None:
+        """Delete a topic's etcd keys and then its objects."""
+        for key in [k for k in self.logs if k[0] == name]:
+            await self.logs.pop(key).close(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
+        self.topics.pop(name, None)
+        await self.meta.delete_topic(name)
+        prefix = f"{self.cfg.namespace}/{name}/"
+        self.cache.drop_prefix(prefix)
+        n = await self.store.delete_prefix(prefix)
+        log.info("deleted topic %s (%d objects)", name, n)
+
+    # --------------------------------------------------------- InitProducerId
+    async def init_producer_id(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        if req.get("transactional_id") is not None:
+            return {"throttle_time_ms": 0, "error_code": ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+                    "producer_id": -1, "producer_epoch": -1}
+        if req.get("producer_id", -1) >= 0:  # KIP-360: an idempotent producer bumps its epoch
+            return {"throttle_time_ms": 0, "error_code": 0, "producer_id": req["producer_id"],
+                    "producer_epoch": (req["producer_epoch"] + 1) & 0x7FFF}
+        return {"throttle_time_ms": 0, "error_code": 0, "producer_id": await self.meta.next_producer_id(),
+                "producer_epoch": 0}

@@ -1,0 +1,168 @@
+"""The Kafka listener: reads size-prefixed frames, dispatches them to the
+Broker's handlers and writes responses in request order.
+
+A connection may pipeline requests: each one runs as its own task and a
+writer awaits them in order, so a Produce waiting for S3 does not hold up
+the parsing of what follows. Malformed frames close only that connection,
+with a log line saying why; nothing a client sends can stop the server."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import struct
+from typing import Any
+
+from kafscale.broker.handlers import Broker
+from kafscale.protocol.codec import DecodeError
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.framing import RequestHeader, encode_response, parse_request_header
+from kafscale.protocol.schemas import API_VERSIONS, APIS
+
+log = logging.getLogger(__name__)
+
+_SIZE = struct.Struct(">i")
+MAX_IN_FLIGHT = 64
+_conn_ids = itertools.count(1)
+
+
+class ProtocolViolation(Exception):
+    """The client sent something that is not a valid request: close the connection."""
+
+
+class KafkaServer:
+    def __init__(self, broker: Broker, host: str, port: int, max_request_bytes: int, reuse_port: bool = False) -> None:
+        self.broker = broker
+        self.host = host
+        self.port = port
+        self.max_request_bytes = max_request_bytes
+        self.reuse_port = reuse_port
+        self._server: asyncio.base_events.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, reuse_port=self.reuse_port,
+                                                  limit=1024 * 1024)
+        sock = self._server.sockets[0]
+        self.port = sock.getsockname()[1]
+        log.info("Kafka listener on %s:%d", self.host, self.port)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._conns):
+            t.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        conn = next(_conn_ids)
+        peer = writer.get_extra_info("peername")
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        queue: asyncio.Queue[asyncio.Task[list[Any] | None] | None] = asyncio.Queue(MAX_IN_FLIGHT)
+        sender = asyncio.create_task(self._send_loop(queue, writer, conn, peer))
+        try:
+            while not sender.done():
+                frame = await self._read_frame(reader)
+                if frame is None:
+                    break
+                hdr, body_at = self._parse_header(frame)
+                await queue.put(asyncio.create_task(self._handle(hdr, frame, body_at)))
+        except ProtocolViolation as exc:
+            log.warning("conn %d from %s: closing: %s", conn, peer, exc)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except asyncio.CancelledError:
+            sender.cancel()
+            raise
+        finally:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(None)
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(sender, 30)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+            self._conns.discard(task)
+
+    async def _read_frame(self, reader: asyncio.StreamReader) -> memoryview | None:
+        try:
+            head = await reader.readexactly(4)
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                raise ProtocolViolation(f"truncated size prefix ({len(exc.partial)} bytes)") from None
+            return None
+        (size,) = _SIZE.unpack(head)
+        if size < 8 or size > self.max_request_bytes:
+            raise ProtocolViolation(f"frame size {size} outside [8, {self.max_request_bytes}]")
+        try:
+            return memoryview(await reader.readexactly(size))
+        except asyncio.IncompleteReadError as exc:
+            raise ProtocolViolation(f"truncated frame: {len(exc.partial)} of {size} bytes") from None
+
+    @staticmethod
+    def _parse_header(frame: memoryview) -> tuple[RequestHeader, int]:
+        try:
+            hdr, body_at = parse_request_header(frame)
+        except DecodeError as exc:
+            raise ProtocolViolation(f"malformed request header: {exc}") from None
+        api = APIS.get(hdr.api_key)
+        if api is None:
+            raise ProtocolViolation(f"unknown API key {hdr.api_key} (correlation id {hdr.correlation_id})")
+        if not api.supports(hdr.api_version) and hdr.api_key != API_VERSIONS.key:
+            raise ProtocolViolation(f"{api.name} v{hdr.api_version} is not supported "
+                                    f"(v{api.min_version}-v{api.max_version})")
+        return hdr, body_at
+
+    async def _handle(self, hdr: RequestHeader, frame: memoryview, body_at: int) -> list[Any] | None:
+        api = APIS[hdr.api_key]
+        if hdr.api_key == API_VERSIONS.key and not api.supports(hdr.api_version):
+            # Answer in v0 with UNSUPPORTED_VERSION and our ranges; the client retries lower.
+            hdr = RequestHeader(hdr.api_key, 0, hdr.correlation_id, hdr.client_id, False)
+            body = await self.broker.api_versions(hdr, {})
+            body["error_code"] = ErrorCode.UNSUPPORTED_VERSION
+            return encode_response(hdr, body)
+        try:
+            req, end = api.request.decode(frame, hdr.api_version, body_at)
+        except DecodeError as exc:
+            raise ProtocolViolation(f"malformed {api.name} v{hdr.api_version} body: {exc}") from None
+        if end != len(frame):
+            raise ProtocolViolation(f"{api.name} v{hdr.api_version}: {len(frame) - end} trailing bytes")
+        body = await self.broker.handlers[hdr.api_key](hdr, req)
+        return None if body is None else encode_response(hdr, body)
+
+    async def _send_loop(self, queue: asyncio.Queue[asyncio.Task[list[Any] | None] | None],
+                         writer: asyncio.StreamWriter, conn: int, peer: Any) -> None:
+        try:
+            while True:
+                task = await queue.get()
+                if task is None:
+                    return
+                try:
+                    chunks = await task
+                except ProtocolViolation as exc:
+                    log.warning("conn %d from %s: closing: %s", conn, peer, exc)
+                    writer.close()
+                    return
+                except Exception:
+                    log.exception("conn %d from %s: request failed; closing the connection", conn, peer)
+                    writer.close()
+                    return
+                if chunks is not None:
+                    writer.writelines(chunks)
+                    await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            while not queue.empty():
+                t = queue.get_nowait()
+                if t is not None:
+                    t.cancel()

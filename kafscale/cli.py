@@ -1,0 +1,158 @@
+"""`kafscale` command line: broker, dev, segments."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+from kafscale import config as config_mod
+
+log = logging.getLogger("kafscale")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("botocore", "aiobotocore", "boto3", "urllib3", "grpc"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _run_broker(cfg: config_mod.Config) -> int:
+    from kafscale.broker.node import StartupError, run_until_signal
+
+    _setup_logging(cfg.log_level)
+    try:
+        asyncio.run(run_until_signal(cfg))
+    except StartupError as exc:
+        print(f"kafscale: cannot start: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    return _run_broker(config_mod.load(args))
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    from kafscale.devstack import DevStack, port_is_free
+
+    _setup_logging("INFO")
+    for port, what in ((args.etcd_port, "etcd"), (args.s3_port, "S3"), (args.port, "Kafka")):
+        if not port_is_free(port):
+            print(f"kafscale dev: port {port} for {what} is in use", file=sys.stderr)
+            return 2
+    stack = DevStack(data_dir=args.data_dir, etcd_port=args.etcd_port, s3_port=args.s3_port)
+    log.info("starting etcd on :%d and SeaweedFS S3 on :%d (data in %s)", args.etcd_port, args.s3_port,
+             args.data_dir or "a temporary directory")
+    stack.start()
+    try:
+        env = stack.broker_env()
+        cfg = config_mod.load(args, etcd=env["KAFSCALE_ETCD"], s3_endpoint=env["KAFSCALE_S3_ENDPOINT"],
+                              bucket=env["KAFSCALE_BUCKET"], s3_access_key=env["KAFSCALE_S3_ACCESS_KEY"],
+                              s3_secret_key=env["KAFSCALE_S3_SECRET_KEY"], listen=f"127.0.0.1:{args.port}")
+        log.info("KafScale dev: bootstrap.servers=127.0.0.1:%d  etcd=%s  s3=%s bucket=%s  (Ctrl-C stops all)",
+                 args.port, stack.etcd_endpoint, stack.s3_endpoint, stack.bucket)
+        return _run_broker(cfg)
+    finally:
+        stack.stop()
+        log.info("dev stack stopped")
+
+
+def _store(cfg: config_mod.Config) -> Any:
+    from kafscale.storage.objectstore import ObjectStore
+
+    return ObjectStore(cfg.bucket, cfg.s3_endpoint or None, cfg.s3_region, cfg.s3_access_key or None,
+                       cfg.s3_secret_key or None)
+
+
+async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None) -> None:
+    from kafscale.storage.segment import HEADER_SIZE, parse_header
+
+    prefix = f"{cfg.namespace}/{topic}/" + ("" if partition is None else f"{partition}/")
+    async with _store(cfg) as store:
+        print(f"{'partition':>9} {'base offset':>12} {'records':>8} {'bytes':>10}  key")
+        for obj in sorted(await store.list(prefix), key=lambda o: o["Key"]):
+            key = obj["Key"]
+            if not key.endswith(".kfs"):
+                continue
+            hdr = parse_header(await store.get(key, 0, HEADER_SIZE))
+            part = key[len(cfg.namespace) + len(topic) + 2:].split("/")[0]
+            print(f"{part:>9} {hdr.base_offset:>12} {hdr.count:>8} {obj['Size']:>10}  {key}")
+
+
+def _show(b: bytes | None) -> str:
+    if b is None:
+        return "null"
+    try:
+        s = b.decode()
+        return json.dumps(s if len(s) <= 200 else s[:200] + "...")
+    except UnicodeDecodeError:
+        return "0x" + b[:100].hex() + ("..." if len(b) > 100 else "")
+
+
+async def _segments_dump(cfg: config_mod.Config, key: str) -> None:
+    from kafscale import _native
+    from kafscale.storage.segment import open_segment
+
+    async with _store(cfg) as store:
+        data = await store.get(key)
+    hdr, body, last = open_segment(data)
+    print(f"# {key}: base offset {hdr.base_offset}, last offset {last}, {hdr.count} records, "
+          f"created {hdr.created_ms} ms, CRC32C ok")
+    for b in _native.scan_batches(body, True):
+        print(f"# batch offset {b.base_offset}..{b.last_offset} codec {_native.CODEC_NAMES[b.compression]} "
+              f"{b.size} bytes")
+        for off, ts, k, v, headers in _native.iter_records(b, body):
+            hs = ",".join(f"{hk}={_show(hv)}" for hk, hv in headers)
+            print(f"offset={off} timestamp={ts} key={_show(k)} value={_show(v)}" + (f" headers={hs}" if hs else ""))
+
+
+def cmd_segments(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args)
+    if args.action == "ls":
+        asyncio.run(_segments_ls(cfg, args.topic, args.partition))
+    else:
+        asyncio.run(_segments_dump(cfg, args.key))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kafscale", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("broker", help="run a broker against an existing etcd and S3")
+    config_mod.add_arguments(p)
+    p.set_defaults(func=cmd_broker)
+
+    p = sub.add_parser("dev", help="run etcd + SeaweedFS S3 + a broker on this machine")
+    p.add_argument("--data-dir", help="keep etcd and S3 data here across restarts (default: temporary)")
+    p.add_argument("--port", type=int, default=9092, help="Kafka port (default 9092)")
+    p.add_argument("--etcd-port", type=int, default=2379)
+    p.add_argument("--s3-port", type=int, default=8333)
+    config_mod.add_arguments(p, skip=("etcd", "s3_endpoint", "bucket", "s3_access_key", "s3_secret_key", "listen"))
+    p.set_defaults(func=cmd_dev)
+
+    p = sub.add_parser("segments", help="list or decode segments straight from S3")
+    p.add_argument("action", choices=["ls", "dump"])
+    p.add_argument("--topic", help="topic (ls)")
+    p.add_argument("--partition", type=int, help="partition (ls; default all)")
+    p.add_argument("--key", help="segment object key (dump), as printed by ls")
+    config_mod.add_arguments(p)
+    p.set_defaults(func=cmd_segments)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "segments" and ((args.action == "ls" and not args.topic) or
+                                       (args.action == "dump" and not args.key)):
+        print("kafscale segments: ls needs --topic, dump needs --key", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

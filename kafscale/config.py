@@ -1,0 +1,95 @@
+"""Broker configuration: one dataclass, filled from a TOML file, then
+`KAFSCALE_*` environment variables, then command-line flags (later wins)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    node_id: int = _opt(1, "broker id reported in Metadata")
+    listen: str = _opt("0.0.0.0:9092", "host:port the Kafka listener binds")
+    advertised: str = _opt("", "host:port clients should connect to (default: listen, 0.0.0.0 -> 127.0.0.1)")
+    etcd: str = _opt("127.0.0.1:2379", "etcd endpoint host:port")
+    cluster: str = _opt("default", "cluster name: etcd key prefix /kafscale/{cluster}/")
+    s3_endpoint: str = _opt("", "S3 endpoint URL (empty: AWS default)")
+    s3_region: str = _opt("us-east-1", "S3 region")
+    s3_access_key: str = _opt("", "S3 access key (empty: the usual AWS credential chain)")
+    s3_secret_key: str = _opt("", "S3 secret key")
+    bucket: str = _opt("kafscale", "S3 bucket for segments")
+    namespace: str = _opt("kafscale", "key prefix inside the bucket")
+    auto_create_topics: bool = _opt(False, "create unknown topics on Metadata/Produce")
+    default_partitions: int = _opt(1, "partitions for auto-created topics and CreateTopics with -1")
+    linger_ms: int = _opt(5, "how long a partition gathers batches before it flushes a segment")
+    segment_bytes: int = _opt(16 * 1024 * 1024, "largest segment a flush builds")
+    multipart_threshold: int = _opt(16 * 1024 * 1024, "segments above this size upload as multipart")
+    cache_bytes: int = _opt(256 * 1024 * 1024, "in-memory cache of recent segments for Fetch")
+    max_request_bytes: int = _opt(100 * 1024 * 1024, "largest request frame accepted")
+    max_message_bytes: int = _opt(1024 * 1024 + 1024, "largest record batch accepted (max.message.bytes)")
+    validate_compressed: bool = _opt(True, "decompress compressed batches on produce to validate their records")
+    log_level: str = _opt("INFO", "logging level")
+
+    def listen_addr(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host or "0.0.0.0", int(port)
+
+    def advertised_addr(self) -> tuple[str, int]:
+        if self.advertised:
+            host, _, port = self.advertised.rpartition(":")
+            return host, int(port)
+        host, port = self.listen_addr()
+        return ("127.0.0.1" if host in ("0.0.0.0", "", "::") else host), port
+
+
+def _convert(f: dataclasses.Field, raw: Any) -> Any:
+    if f.type in ("bool", bool):
+        return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")
+    if f.type in ("int", int):
+        return int(raw)
+    return str(raw)
+
+
+def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per Config field: --node-id, --s3-endpoint, ... (defaults None so
+    that unset flags do not override the file or the environment)."""
+    parser.add_argument("--config", help="TOML file with Config fields")
+    for f in dataclasses.fields(Config):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{f.metadata['help']} (env KAFSCALE_{f.name.upper()})")
+        else:
+            parser.add_argument(flag, default=None, help=f"{f.metadata['help']} (default {f.default!r}; "
+                                                         f"env KAFSCALE_{f.name.upper()})")
+
+
+def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> Config:
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    path = getattr(args, "config", None) if args is not None else None
+    if path:
+        with open(path, "rb") as fh:
+            values.update(tomllib.load(fh))
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown configuration keys: {sorted(unknown)}")
+    for name in fields:
+        env = environ.get(f"KAFSCALE_{name.upper()}")
+        if env is not None:
+            values[name] = env
+        if args is not None and getattr(args, name, None) is not None:
+            values[name] = getattr(args, name)
+    values.update(overrides)
+    return Config(**{n: _convert(fields[n], v) for n, v in values.items()})

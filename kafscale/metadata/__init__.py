@@ -1,0 +1,1 @@
+"""Cluster metadata in etcd."""

@@ -1,0 +1,187 @@
+"""Cluster metadata in etcd (aetcd), under /kafscale/{cluster}/.
+
+  topics/{name}                  {"id": hex uuid, "partitions": n, "config": {...}}
+  partitions/{topic}/{p}         {"owner": broker id, "epoch": n, "hw": n, "log_start": n}
+  segments/{topic}/{p}/{base}    manifest of one committed segment (base 20 digits)
+  brokers/{id}                   {"host": ..., "port": ...} on a lease
+  producer_ids                   last allocated producer id
+
+Every segment commit is one transaction that compares the partition key
+with the exact value this owner last wrote (it carries epoch and watermark),
+so an owner that was fenced by a newer epoch can never move the watermark."""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aetcd
+from aetcd.utils import prefix_range_end
+
+
+class Fenced(Exception):
+    """The partition changed hands (or state) since this owner last wrote it."""
+
+
+class TopicExists(Exception):
+    pass
+
+
+@dataclass
+class TopicMeta:
+    name: str
+    id: bytes
+    partitions: int
+    config: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"id": self.id.hex(), "partitions": self.partitions, "config": self.config}).encode()
+
+    @classmethod
+    def from_json(cls, name: str, raw: bytes) -> TopicMeta:
+        d = json.loads(raw)
+        return cls(name, bytes.fromhex(d["id"]), d["partitions"], d.get("config", {}))
+
+
+@dataclass
+class PartitionState:
+    owner: int
+    epoch: int
+    hw: int
+    log_start: int
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+
+@dataclass
+class SegmentManifest:
+    base: int
+    last: int
+    count: int
+    size: int
+    min_ts: int
+    max_ts: int
+    key: str
+    created_ms: int
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+
+class MetaStore:
+    def __init__(self, endpoints: str, cluster: str = "default") -> None:
+        host, _, port = endpoints.split(",")[0].removeprefix("http://").partition(":")
+        self._host, self._port = host or "127.0.0.1", int(port or 2379)
+        self.prefix = f"/kafscale/{cluster}/"
+        self.client: Any = None
+
+    async def start(self) -> None:
+        self.client = aetcd.Client(host=self._host, port=self._port, timeout=10)
+        await self.client.connect()
+        await self.client.status()  # fail fast if etcd is unreachable
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+
+    def k(self, *parts: object) -> bytes:
+        return (self.prefix + "/".join(str(p) for p in parts)).encode()
+
+    # ------------------------------------------------------------------ topics
+    async def create_topic(self, name: str, partitions: int, config: dict[str, str]) -> TopicMeta:
+        meta = TopicMeta(name, uuid.uuid4().bytes, partitions, config)
+        tx = self.client.transactions
+        ops = [tx.put(self.k("topics", name), meta.to_json())]
+        empty = PartitionState(-1, 0, 0, 0).to_json()
+        ops += [tx.put(self.k("partitions", name, p), empty) for p in range(partitions)]
+        ok, _ = await self.client.transaction(compare=[tx.version(self.k("topics", name)) == 0], success=ops,
+                                              failure=[])
+        if not ok:
+            raise TopicExists(name)
+        return meta
+
+    async def get_topic(self, name: str) -> TopicMeta | None:
+        r = await self.client.get(self.k("topics", name))
+        return None if r is None else TopicMeta.from_json(name, r.value)
+
+    async def list_topics(self) -> list[TopicMeta]:
+        base = self.k("topics", "")
+        out = []
+        for kv in await self.client.get_prefix(base):
+            out.append(TopicMeta.from_json(kv.key[len(base):].decode(), kv.value))
+        return out
+
+    async def delete_topic(self, name: str) -> None:
+        tx = self.client.transactions
+        ops = [tx.delete(self.k("topics", name))]
+        for area in ("partitions", "segments"):
+            start = self.k(area, name, "")
+            ops.append(tx.delete(start, prefix_range_end(start)))
+        await self.client.transaction(compare=[], success=ops, failure=[])
+
+    # -------------------------------------------------------------- partitions
+    async def get_partition(self, topic: str, p: int) -> tuple[PartitionState, bytes] | None:
+        r = await self.client.get(self.k("partitions", topic, p))
+        if r is None:
+            return None
+        return PartitionState(**json.loads(r.value)), r.value
+
+    async def claim_partition(self, topic: str, p: int, broker_id: int) -> tuple[PartitionState, bytes]:
+        """Take ownership with a new epoch; returns the state and its raw value."""
+        while True:
+            cur = await self.get_partition(topic, p)
+            if cur is None:
+                raise KeyError(f"{topic}/{p}")
+            state, raw = cur
+            new = PartitionState(broker_id, state.epoch + 1, state.hw, state.log_start)
+            new_raw = new.to_json()
+            tx = self.client.transactions
+            ok, _ = await self.client.transaction(compare=[tx.value(self.k("partitions", topic, p)) == raw],
+                                                  success=[tx.put(self.k("partitions", topic, p), new_raw)],
+                                                  failure=[])
+            if ok:
+                return new, new_raw
+
+    async def commit_segment(self, topic: str, p: int, expected_raw: bytes, new_state: PartitionState,
+                             manifest: SegmentManifest) -> bytes:
+        """Atomically record a segment and move the high watermark."""
+        new_raw = new_state.to_json()
+        tx = self.client.transactions
+        key = self.k("partitions", topic, p)
+        ok, _ = await self.client.transaction(
+            compare=[tx.value(key) == expected_raw],
+            success=[tx.put(self.k("segments", topic, p, f"{manifest.base:020d}"), manifest.to_json()),
+                     tx.put(key, new_raw)],
+            failure=[])
+        if not ok:
+            raise Fenced(f"{topic}/{p}")
+        return new_raw
+
+    async def list_segments(self, topic: str, p: int) -> list[SegmentManifest]:
+        out = [SegmentManifest(**json.loads(kv.value))
+               for kv in await self.client.get_prefix(self.k("segments", topic, p, ""))]
+        out.sort(key=lambda m: m.base)
+        return out
+
+    # ------------------------------------------------------------- producers
+    async def next_producer_id(self) -> int:
+        key = self.k("producer_ids")
+        tx = self.client.transactions
+        while True:
+            r = await self.client.get(key)
+            cur = int(r.value) if r is not None else 0
+            cmp = tx.value(key) == r.value if r is not None else tx.version(key) == 0
+            ok, _ = await self.client.transaction(compare=[cmp], success=[tx.put(key, str(cur + 1).encode())],
+                                                  failure=[])
+            if ok:
+                return cur + 1
+
+    # ---------------------------------------------------------------- brokers
+    async def register_broker(self, broker_id: int, host: str, port: int, ttl: int = 10) -> Any:
+        lease = await self.client.lease(ttl)
+        await self.client.put(self.k("brokers", broker_id), json.dumps({"host": host, "port": port}).encode(),
+                              lease=lease)
+        return lease

@@ -1,0 +1,1 @@
+"""Kafka wire protocol: framing, schemas as data, and one codec."""

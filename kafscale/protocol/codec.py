@@ -1,0 +1,397 @@
+"""One schema-driven codec for every Kafka request and response.
+
+Messages are described as data (see schemas.py) in a small indented
+notation that mirrors Kafka's JSON message specs:
+
+    name: type [versions] [?nullable-versions] [tag=N] [default=V]
+
+`type` is a primitive (int8 int16 int32 int64 uint16 float64 bool string
+bytes uuid records), `[primitive]` for an array of primitives, or `[` / `{`
+opening a nested array-of-struct / struct block closed by `]` / `}` on its
+own line. Versions are `3+`, `3-12` or `5`; absent means all versions.
+`?` alone makes the field nullable in all its versions, `?10` from v10 on.
+`tag=N` makes it a tagged field (flexible versions only).
+
+A Message compiles, per version, a list of steps; decode turns bytes into
+plain dicts with snake_case keys and encode walks the same steps, taking
+values from dicts and falling back to each field's default. Records are
+passed through as buffers (a list of buffers is written without joining)."""
+from __future__ import annotations
+
+import struct
+import uuid
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+_PRIMS = {
+    "int8": struct.Struct(">b"),
+    "int16": struct.Struct(">h"),
+    "int32": struct.Struct(">i"),
+    "int64": struct.Struct(">q"),
+    "uint16": struct.Struct(">H"),
+    "float64": struct.Struct(">d"),
+}
+_I16 = _PRIMS["int16"]
+_I32 = _PRIMS["int32"]
+MAX_VERSION = 0x7FFF
+NULL_UUID = b"\x00" * 16
+
+
+class DecodeError(ValueError):
+    """The bytes do not match the schema (truncated, bad length, bad UTF-8)."""
+
+
+@dataclass
+class Field:
+    name: str
+    type: str  # primitive name, "struct" or "array"
+    item: str | None = None  # element type of a primitive array
+    vmin: int = 0
+    vmax: int = MAX_VERSION
+    null_min: int | None = None
+    tag: int | None = None
+    default: Any = None
+    fields: list[Field] = field(default_factory=list)
+
+    def present(self, v: int) -> bool:
+        return self.vmin <= v <= self.vmax
+
+    def nullable(self, v: int) -> bool:
+        return self.null_min is not None and v >= self.null_min
+
+    def default_value(self, v: int) -> Any:
+        if self.default is not None:
+            return self.default
+        if self.nullable(v) and self.type in ("string", "bytes", "records", "array", "struct"):
+            return None
+        if self.type == "array":
+            return []
+        if self.type == "struct":
+            return {f.name: f.default_value(v) for f in self.fields if f.present(v)}
+        return {"string": "", "bytes": b"", "bool": False, "uuid": NULL_UUID, "records": None,
+                "float64": 0.0}.get(self.type, 0)
+
+
+def _versions(tok: str) -> tuple[int, int]:
+    if tok.endswith("+"):
+        return int(tok[:-1]), MAX_VERSION
+    if "-" in tok:
+        lo, hi = tok.split("-")
+        return int(lo), int(hi)
+    return int(tok), int(tok)
+
+
+def _parse_default(text: str, ftype: str) -> Any:
+    if text == "null":
+        return None
+    if ftype in ("string",):
+        return text
+    if ftype == "bool":
+        return text == "true"
+    return int(text, 0)
+
+
+def parse_schema(text: str) -> list[Field]:
+    """Parse the indented notation described in the module docstring."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    pos = 0
+
+    def block(closer: str | None) -> list[Field]:
+        nonlocal pos
+        out: list[Field] = []
+        while pos < len(lines):
+            line = lines[pos]
+            pos += 1
+            if line in ("]", "}"):
+                if line != closer:
+                    raise ValueError(f"unbalanced {line!r} in schema")
+                return out
+            name, _, spec = line.partition(":")
+            toks = spec.split()
+            kind = toks[0]
+            f = Field(name=name.strip(), type=kind)
+            for tok in toks[1:]:
+                if tok.startswith("?"):
+                    f.null_min = int(tok[1:]) if len(tok) > 1 else -1
+                elif tok.startswith("tag="):
+                    f.tag = int(tok[4:])
+                elif tok.startswith("default="):
+                    f.default = _parse_default(tok[8:], kind)
+                else:
+                    f.vmin, f.vmax = _versions(tok)
+            if f.null_min == -1:
+                f.null_min = f.vmin
+            if kind == "[":
+                f.type = "array"
+                f.fields = block("]")
+            elif kind == "{":
+                f.type = "struct"
+                f.fields = block("}")
+            elif kind.startswith("["):
+                f.type, f.item = "array", kind[1:-1]
+            out.append(f)
+        if closer:
+            raise ValueError(f"missing {closer!r} in schema")
+        return out
+
+    return block(None)
+
+
+# --------------------------------------------------------------------------- encoding helpers
+
+def _uvarint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+class Writer:
+    """Collects encoded bytes as chunks; large buffers are kept by reference."""
+
+    __slots__ = ("buf", "chunks", "size")
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.chunks: list[Any] = []
+        self.size = 0
+
+    def write(self, b: bytes | bytearray) -> None:
+        self.buf += b
+
+    def write_big(self, b: Any) -> None:
+        if len(b) < 4096:
+            self.buf += b
+            return
+        if self.buf:
+            self.chunks.append(bytes(self.buf))
+            self.size += len(self.buf)
+            self.buf = bytearray()
+        self.chunks.append(b)
+        self.size += len(b)
+
+    def finish(self) -> list[Any]:
+        if self.buf:
+            self.chunks.append(bytes(self.buf))
+            self.size += len(self.buf)
+            self.buf = bytearray()
+        return self.chunks
+
+
+class Reader:
+    __slots__ = ("buf", "end", "pos")
+
+    def __init__(self, buf: memoryview, pos: int = 0) -> None:
+        self.buf = buf
+        self.pos = pos
+        self.end = len(buf)
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > self.end:
+            raise DecodeError(f"need {n} bytes at {self.pos}, only {self.end - self.pos} left")
+        b = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return b
+
+    def prim(self, s: struct.Struct) -> Any:
+        if self.pos + s.size > self.end:
+            raise DecodeError(f"truncated at byte {self.pos}")
+        (v,) = s.unpack_from(self.buf, self.pos)
+        self.pos += s.size
+        return v
+
+    def uvarint(self) -> int:
+        shift = result = 0
+        while True:
+            if self.pos >= self.end or shift > 63:
+                raise DecodeError("malformed unsigned varint")
+            b = self.buf[self.pos]
+            self.pos += 1
+            result |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return result
+            shift += 7
+
+
+# --------------------------------------------------------------------------- compiled codecs
+
+class _StructCodec:
+    """Encoder/decoder for one struct level at one version."""
+
+    def __init__(self, fields: list[Field], version: int, flexible: bool) -> None:
+        self.version = version
+        self.flexible = flexible
+        self.fields = [f for f in fields if f.present(version) and (f.tag is None or flexible)]
+        self.regular = [f for f in self.fields if f.tag is None]
+        self.tagged = sorted((f for f in self.fields if f.tag is not None), key=lambda f: f.tag or 0)
+        self.children = {f.name: _StructCodec(f.fields, version, flexible)
+                         for f in self.fields if f.type in ("array", "struct") and f.item is None}
+
+    # -- decode
+    def decode(self, r: Reader) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in self.regular:
+            out[f.name] = self._read(r, f)
+        for f in self.tagged:
+            out[f.name] = f.default_value(self.version)
+        if self.flexible:
+            by_tag = {f.tag: f for f in self.tagged}
+            for _ in range(r.uvarint()):
+                tag, size = r.uvarint(), r.uvarint()
+                f = by_tag.get(tag)
+                if f is None:
+                    r.take(size)  # unknown tagged field: skip
+                    continue
+                sub = Reader(r.take(size))
+                out[f.name] = self._read(sub, f)
+        return out
+
+    def _len(self, r: Reader, compact: bool, wide: bool) -> int:
+        if compact:
+            return r.uvarint() - 1
+        return r.prim(_I32 if wide else _I16)
+
+    def _read(self, r: Reader, f: Field) -> Any:
+        t = f.type
+        s = _PRIMS.get(t)
+        if s is not None:
+            return r.prim(s)
+        v = self.version
+        flex = self.flexible
+        if t == "string":
+            n = self._len(r, flex, False)
+            if n < 0:
+                if not f.nullable(v):
+                    raise DecodeError(f"null for non-nullable string {f.name}")
+                return None
+            try:
+                return str(r.take(n), "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DecodeError(f"invalid UTF-8 in {f.name}") from exc
+        if t in ("bytes", "records"):
+            n = self._len(r, flex, True)
+            if n < 0:
+                return None
+            return r.take(n)
+        if t == "bool":
+            return r.take(1)[0] != 0
+        if t == "uuid":
+            return bytes(r.take(16))
+        if t == "array":
+            n = self._len(r, flex, True)
+            if n < 0:
+                return None
+            if n > r.end - r.pos:  # each element takes at least one byte
+                raise DecodeError(f"array {f.name} claims {n} elements")
+            if f.item is not None:
+                item = Field(name=f.name, type=f.item)
+                return [self._read(r, item) for _ in range(n)]
+            child = self.children[f.name]
+            return [child.decode(r) for _ in range(n)]
+        if t == "struct":
+            return self.children[f.name].decode(r)
+        raise DecodeError(f"unknown type {t}")
+
+    # -- encode
+    def encode(self, w: Writer, obj: dict[str, Any]) -> None:
+        for f in self.regular:
+            self._write(w, f, obj.get(f.name, _MISSING))
+        if self.flexible:
+            present = []
+            for f in self.tagged:
+                value = obj.get(f.name, _MISSING)
+                if value is _MISSING or value == f.default_value(self.version):
+                    continue
+                sub = Writer()
+                self._write(sub, f, value)
+                present.append((f.tag, b"".join(bytes(c) for c in sub.finish())))
+            w.write(_uvarint(len(present)))
+            for tag, data in present:
+                w.write(_uvarint(tag or 0))
+                w.write(_uvarint(len(data)))
+                w.write(data)
+
+    def _write_len(self, w: Writer, n: int, wide: bool) -> None:
+        if self.flexible:
+            w.write(_uvarint(n + 1))
+        else:
+            w.write((_I32 if wide else _I16).pack(n))
+
+    def _write(self, w: Writer, f: Field, value: Any) -> None:
+        if value is _MISSING:
+            value = f.default_value(self.version)
+        t = f.type
+        s = _PRIMS.get(t)
+        if s is not None:
+            w.write(s.pack(value))
+            return
+        if t == "string":
+            if value is None:
+                self._write_len(w, -1, False)
+                return
+            data = value.encode()
+            self._write_len(w, len(data), False)
+            w.write(data)
+        elif t in ("bytes", "records"):
+            if value is None:
+                self._write_len(w, -1, True)
+                return
+            if isinstance(value, list | tuple):  # several buffers, written without joining
+                self._write_len(w, sum(len(b) for b in value), True)
+                for b in value:
+                    w.write_big(b)
+                return
+            self._write_len(w, len(value), True)
+            w.write_big(value)
+        elif t == "bool":
+            w.write(b"\x01" if value else b"\x00")
+        elif t == "uuid":
+            w.write(value.bytes if isinstance(value, uuid.UUID) else value)
+        elif t == "array":
+            if value is None:
+                self._write_len(w, -1, True)
+                return
+            self._write_len(w, len(value), True)
+            if f.item is not None:
+                item = Field(name=f.name, type=f.item)
+                for v in value:
+                    self._write(w, item, v)
+            else:
+                child = self.children[f.name]
+                for v in value:
+                    child.encode(w, v)
+        elif t == "struct":
+            self.children[f.name].encode(w, value)
+        else:
+            raise ValueError(f"unknown type {t}")
+
+
+_MISSING = object()
+
+
+@dataclass
+class Message:
+    """A request or response body schema with its valid and flexible versions."""
+
+    fields: list[Field]
+    flexible_min: int
+
+    @cache  # noqa: B019 - a handful of Message objects live for the process
+    def codec(self, version: int) -> _StructCodec:
+        return _StructCodec(self.fields, version, version >= self.flexible_min)
+
+    def decode(self, buf: memoryview, version: int, pos: int = 0) -> tuple[dict[str, Any], int]:
+        r = Reader(buf, pos)
+        out = self.codec(version).decode(r)
+        return out, r.pos
+
+    def encode(self, obj: dict[str, Any], version: int, w: Writer | None = None) -> Writer:
+        w = w or Writer()
+        self.codec(version).encode(w, obj)
+        return w
+
+    def __hash__(self) -> int:
+        return id(self)

@@ -1,0 +1,61 @@
+"""Request/response headers around the schema-encoded bodies.
+
+Requests carry header v1 (api_key, api_version, correlation_id, client_id)
+and, for flexible versions, v2 (plus tagged fields). Responses carry v0
+(correlation_id) or, for flexible versions, v1 (plus tagged fields); the
+ApiVersions response always uses v0 so that any client can read it."""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from kafscale.protocol.codec import DecodeError, Reader, Writer
+from kafscale.protocol.schemas import API_VERSIONS, APIS
+
+_HDR = struct.Struct(">hhi")
+_I32 = struct.Struct(">i")
+MAX_FRAME = 100 * 1024 * 1024  # socket.request.max.bytes in Kafka
+
+
+@dataclass
+class RequestHeader:
+    api_key: int
+    api_version: int
+    correlation_id: int
+    client_id: str | None
+    flexible: bool
+
+
+def parse_request_header(frame: memoryview) -> tuple[RequestHeader, int]:
+    """Parse the header of a request frame (without its size prefix).
+
+    Returns the header and the offset where the body starts. The API key
+    and version need not be supported: callers answer UNSUPPORTED_VERSION."""
+    if len(frame) < 8:
+        raise DecodeError(f"request of {len(frame)} bytes is shorter than a header")
+    api_key, api_version, correlation_id = _HDR.unpack_from(frame, 0)
+    r = Reader(frame, 8)
+    n = r.prim(struct.Struct(">h"))
+    client_id = None if n < 0 else str(r.take(n), "utf-8", "replace")
+    api = APIS.get(api_key)
+    flexible = bool(api and api.supports(api_version) and api_version >= api.request.flexible_min)
+    if flexible:
+        for _ in range(r.uvarint()):
+            r.uvarint()
+            r.take(r.uvarint())
+    return RequestHeader(api_key, api_version, correlation_id, client_id, flexible), r.pos
+
+
+def encode_response(header: RequestHeader, body: dict[str, Any]) -> list[Any]:
+    """Frame a response body for `header`'s API and version; returns chunks
+    ready for `writelines` (size prefix first)."""
+    api = APIS[header.api_key]
+    w = Writer()
+    w.write(_I32.pack(header.correlation_id))
+    flexible = header.api_version >= api.response.flexible_min
+    if flexible and header.api_key != API_VERSIONS.key:
+        w.write(b"\x00")  # no tagged fields in the response header
+    api.response.encode(body, header.api_version, w)
+    chunks = w.finish()
+    return [_I32.pack(w.size), *chunks]

@@ -1,0 +1,255 @@
+"""Kafka API schemas as data, in the notation of codec.py.
+
+Field facts follow Kafka's message specs; only the versions KafScale
+implements are listed (`Api.min_version`..`Api.max_version`), and ApiVersions
+advertises exactly these ranges."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kafscale.protocol.codec import Message, parse_schema
+
+
+@dataclass(frozen=True)
+class Api:
+    key: int
+    name: str
+    min_version: int
+    max_version: int
+    request: Message
+    response: Message
+
+    def supports(self, version: int) -> bool:
+        return self.min_version <= version <= self.max_version
+
+
+def _api(key: int, name: str, versions: tuple[int, int], flexible: int, request: str, response: str) -> Api:
+    return Api(key, name, versions[0], versions[1],
+               Message(parse_schema(request), flexible), Message(parse_schema(response), flexible))
+
+
+PRODUCE = _api(0, "Produce", (3, 9), 9, """
+transactional_id: string 3+ ?
+acks: int16
+timeout_ms: int32
+topic_data: [
+  name: string
+  partition_data: [
+    index: int32
+    records: records ?
+  ]
+]
+""", """
+responses: [
+  name: string
+  partition_responses: [
+    index: int32
+    error_code: int16
+    base_offset: int64
+    log_append_time_ms: int64 2+ default=-1
+    log_start_offset: int64 5+ default=-1
+    record_errors: [ 8+
+      batch_index: int32
+      batch_index_error_message: string ? default=null
+    ]
+    error_message: string 8+ ? default=null
+  ]
+]
+throttle_time_ms: int32 1+
+""")
+
+FETCH = _api(1, "Fetch", (4, 13), 12, """
+cluster_id: string 12+ ? tag=0 default=null
+replica_id: int32 0-14 default=-1
+max_wait_ms: int32
+min_bytes: int32
+max_bytes: int32 3+ default=0x7fffffff
+isolation_level: int8 4+
+session_id: int32 7+
+session_epoch: int32 7+ default=-1
+topics: [
+  topic: string 0-12
+  topic_id: uuid 13+
+  partitions: [
+    partition: int32
+    current_leader_epoch: int32 9+ default=-1
+    fetch_offset: int64
+    last_fetched_epoch: int32 12+ default=-1
+    log_start_offset: int64 5+ default=-1
+    partition_max_bytes: int32
+  ]
+]
+forgotten_topics_data: [ 7+
+  topic: string 7-12
+  topic_id: uuid 13+
+  partitions: [int32]
+]
+rack_id: string 11+
+""", """
+throttle_time_ms: int32 1+
+error_code: int16 7+
+session_id: int32 7+
+responses: [
+  topic: string 0-12
+  topic_id: uuid 13+
+  partitions: [
+    partition_index: int32
+    error_code: int16
+    high_watermark: int64
+    last_stable_offset: int64 4+ default=-1
+    log_start_offset: int64 5+ default=-1
+    aborted_transactions: [ 4+ ?
+      producer_id: int64
+      first_offset: int64
+    ]
+    preferred_read_replica: int32 11+ default=-1
+    records: records ?
+  ]
+]
+""")
+
+LIST_OFFSETS = _api(2, "ListOffsets", (0, 7), 6, """
+replica_id: int32
+isolation_level: int8 2+
+topics: [
+  name: string
+  partitions: [
+    partition_index: int32
+    current_leader_epoch: int32 4+ default=-1
+    timestamp: int64
+    max_num_offsets: int32 0 default=1
+  ]
+]
+""", """
+throttle_time_ms: int32 2+
+topics: [
+  name: string
+  partitions: [
+    partition_index: int32
+    error_code: int16
+    old_style_offsets: [int64] 0
+    timestamp: int64 1+ default=-1
+    offset: int64 1+ default=-1
+    leader_epoch: int32 4+ default=-1
+  ]
+]
+""")
+
+METADATA = _api(3, "Metadata", (0, 12), 9, """
+topics: [ ?1
+  topic_id: uuid 10+
+  name: string ?10
+]
+allow_auto_topic_creation: bool 4+ default=true
+include_cluster_authorized_operations: bool 8-10
+include_topic_authorized_operations: bool 8+
+""", """
+throttle_time_ms: int32 3+
+brokers: [
+  node_id: int32
+  host: string
+  port: int32
+  rack: string 1+ ? default=null
+]
+cluster_id: string 2+ ? default=null
+controller_id: int32 1+ default=-1
+topics: [
+  error_code: int16
+  name: string ?12
+  topic_id: uuid 10+
+  is_internal: bool 1+
+  partitions: [
+    error_code: int16
+    partition_index: int32
+    leader_id: int32
+    leader_epoch: int32 7+ default=-1
+    replica_nodes: [int32]
+    isr_nodes: [int32]
+    offline_replicas: [int32] 5+
+  ]
+  topic_authorized_operations: int32 8+ default=-2147483648
+]
+cluster_authorized_operations: int32 8-10 default=-2147483648
+""")
+
+API_VERSIONS = _api(18, "ApiVersions", (0, 3), 3, """
+client_software_name: string 3+
+client_software_version: string 3+
+""", """
+error_code: int16
+api_keys: [
+  api_key: int16
+  min_version: int16
+  max_version: int16
+]
+throttle_time_ms: int32 1+
+""")
+
+CREATE_TOPICS = _api(19, "CreateTopics", (0, 7), 5, """
+topics: [
+  name: string
+  num_partitions: int32
+  replication_factor: int16
+  assignments: [
+    partition_index: int32
+    broker_ids: [int32]
+  ]
+  configs: [
+    name: string
+    value: string ?
+  ]
+]
+timeout_ms: int32 default=60000
+validate_only: bool 1+
+""", """
+throttle_time_ms: int32 2+
+topics: [
+  name: string
+  topic_id: uuid 7+
+  error_code: int16
+  error_message: string 1+ ? default=null
+  topic_config_error_code: int16 5+ tag=0
+  num_partitions: int32 5+ default=-1
+  replication_factor: int16 5+ default=-1
+  configs: [ 5+ ?
+    name: string
+    value: string ?
+    read_only: bool
+    config_source: int8 default=-1
+    is_sensitive: bool
+  ]
+]
+""")
+
+DELETE_TOPICS = _api(20, "DeleteTopics", (0, 6), 4, """
+topics: [ 6+
+  name: string ? default=null
+  topic_id: uuid
+]
+topic_names: [string] 0-5
+timeout_ms: int32
+""", """
+throttle_time_ms: int32 1+
+responses: [
+  name: string ?6
+  topic_id: uuid 6+
+  error_code: int16
+  error_message: string 5+ ? default=null
+]
+""")
+
+INIT_PRODUCER_ID = _api(22, "InitProducerId", (0, 4), 2, """
+transactional_id: string ?
+transaction_timeout_ms: int32
+producer_id: int64 3+ default=-1
+producer_epoch: int16 3+ default=-1
+""", """
+throttle_time_ms: int32
+error_code: int16
+producer_id: int64 default=-1
+producer_epoch: int16
+""")
+
+APIS: dict[int, Api] = {a.key: a for a in (
+    PRODUCE, FETCH, LIST_OFFSETS, METADATA, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS, INIT_PRODUCER_ID,
+)}

@@ -1,0 +1,1 @@
+"""Segment + index format, object store (S3), partition log, segment cache."""

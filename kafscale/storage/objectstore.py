@@ -1,0 +1,134 @@
+"""S3-compatible object store (aioboto3).
+
+Segments are written once: every PUT (and multipart completion) sends
+`If-None-Match: *`, so nothing can overwrite an existing segment object.
+Objects above `multipart_threshold` are uploaded in parts, concurrently."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aioboto3
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import ClientError
+
+log = logging.getLogger(__name__)
+
+MIN_PART = 5 * 1024 * 1024
+
+
+class ObjectExists(Exception):
+    """A conditional PUT found an object already at that key."""
+
+
+class ObjectStore:
+    def __init__(self, bucket: str, endpoint: str | None = None, region: str | None = None,
+                 access_key: str | None = None, secret_key: str | None = None,
+                 multipart_threshold: int = 16 * 1024 * 1024, part_size: int = 8 * 1024 * 1024,
+                 part_concurrency: int = 4) -> None:
+        self.bucket = bucket
+        self.endpoint = endpoint
+        self.multipart_threshold = multipart_threshold
+        self.part_size = max(part_size, MIN_PART)
+        self.part_concurrency = part_concurrency
+        self._session = aioboto3.Session(aws_access_key_id=access_key, aws_secret_access_key=secret_key,
+                                         region_name=region or "us-east-1")
+        self._stack = contextlib.AsyncExitStack()
+        self._client: Any = None
+
+    async def start(self) -> None:
+        cfg = BotoConfig(max_pool_connections=64, retries={"max_attempts": 3, "mode": "standard"},
+                         s3={"addressing_style": "path"})
+        self._client = await self._stack.enter_async_context(
+            self._session.client("s3", endpoint_url=self.endpoint, config=cfg))
+
+    async def close(self) -> None:
+        await self._stack.aclose()
+        self._client = None
+
+    async def __aenter__(self) -> ObjectStore:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---------------------------------------------------------------- bucket
+    async def ensure_bucket(self) -> None:
+        try:
+            await self._client.head_bucket(Bucket=self.bucket)
+        except ClientError:
+            await self._client.create_bucket(Bucket=self.bucket)
+
+    async def check_writable(self) -> None:
+        """Fail fast if the bucket cannot be written and read back."""
+        key = "_kafscale/healthcheck"
+        await self._client.put_object(Bucket=self.bucket, Key=key, Body=b"ok")
+        await self.get(key)
+
+    # ---------------------------------------------------------------- write
+    async def put(self, key: str, data: bytes | bytearray | memoryview, if_none_match: bool = True) -> None:
+        """Write an object once. Raises ObjectExists if the key is taken."""
+        try:
+            if len(data) > self.multipart_threshold:
+                await self._put_multipart(key, data, if_none_match)
+            else:
+                extra = {"IfNoneMatch": "*"} if if_none_match else {}
+                await self._client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), **extra)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+                raise ObjectExists(key) from exc
+            raise
+
+    async def _put_multipart(self, key: str, data: bytes | bytearray | memoryview, if_none_match: bool) -> None:
+        mv = memoryview(data)
+        up = await self._client.create_multipart_upload(Bucket=self.bucket, Key=key)
+        upload_id = up["UploadId"]
+        sem = asyncio.Semaphore(self.part_concurrency)
+
+        async def part(n: int, start: int) -> dict[str, Any]:
+            async with sem:
+                r = await self._client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=n,
+                                                   Body=bytes(mv[start:start + self.part_size]))
+                return {"PartNumber": n, "ETag": r["ETag"]}
+
+        try:
+            parts = await asyncio.gather(*(part(i + 1, off) for i, off in
+                                           enumerate(range(0, len(mv), self.part_size))))
+            extra = {"IfNoneMatch": "*"} if if_none_match else {}
+            await self._client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                                         MultipartUpload={"Parts": list(parts)}, **extra)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            raise
+
+    # ---------------------------------------------------------------- read
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Read an object, or the byte range [start, end) of it."""
+        extra = {}
+        if start is not None:
+            extra["Range"] = f"bytes={start}-" + ("" if end is None else str(end - 1))
+        r = await self._client.get_object(Bucket=self.bucket, Key=key, **extra)
+        async with r["Body"] as body:
+            return await body.read()
+
+    async def list(self, prefix: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        paginator = self._client.get_paginator("list_objects_v2")
+        async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            out.extend(page.get("Contents", []))
+        return out
+
+    async def delete(self, key: str) -> None:
+        await self._client.delete_object(Bucket=self.bucket, Key=key)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        keys = [o["Key"] for o in await self.list(prefix)]
+        for i in range(0, len(keys), 1000):
+            chunk = keys[i:i + 1000]
+            await self._client.delete_objects(Bucket=self.bucket,
+                                              Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+        return len(keys)

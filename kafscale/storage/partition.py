@@ -1,0 +1,306 @@
+"""One partition's log: offsets, segment flushes, durability and reads.
+
+Produce path: `append` assigns offsets and queues the batch bytes; the
+flusher gathers queued batches for `linger_ms` (or until `segment_bytes`),
+builds a .kfs segment, uploads it and its index, commits the manifest and
+new high watermark to etcd in one fenced transaction, and only then resolves
+the producers' futures. The high watermark (what Fetch may return) moves
+only after that commit, so every acknowledged record is in S3 and etcd."""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kafscale import _native
+from kafscale.config import Config
+from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest
+from kafscale.protocol.errors import ErrorCode
+from kafscale.storage.cache import CachedSegment, SegmentCache
+from kafscale.storage.objectstore import ObjectExists, ObjectStore
+from kafscale.storage.segment import (
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    SegmentIndex,
+    build_segment,
+    index_key,
+    parse_index,
+    segment_key,
+)
+
+log = logging.getLogger(__name__)
+
+
+class LogError(Exception):
+    def __init__(self, code: ErrorCode, message: str = "") -> None:
+        super().__init__(message or code.name)
+        self.code = code
+
+
+@dataclass
+class _Pending:
+    payload: memoryview
+    base: int
+    future: asyncio.Future[int] | None
+
+
+@dataclass
+class _ProducerState:
+    epoch: int
+    recent: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=5))  # first seq, last seq, base
+
+    @property
+    def last_seq(self) -> int:
+        return self.recent[-1][1] if self.recent else -1
+
+
+class PartitionLog:
+    def __init__(self, topic: str, partition: int, cfg: Config, store: ObjectStore, meta: MetaStore,
+                 cache: SegmentCache, on_commit: Callable[[], None]) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.cfg = cfg
+        self.store = store
+        self.meta = meta
+        self.cache = cache
+        self.prefix = f"{cfg.namespace}/{topic}/{partition}/"
+        self.hw = 0
+        self.log_start = 0
+        self.next_offset = 0
+        self.epoch = 0
+        self._state_raw = b""
+        self.segments: list[SegmentManifest] = []
+        self._bases: list[int] = []
+        self._pending: list[_Pending] = []
+        self._pending_bytes = 0
+        self._wake = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
+        self._producers: dict[int, _ProducerState] = {}
+        self._indexes: dict[str, SegmentIndex] = {}
+        self.closed = False
+        self._on_commit = on_commit
+
+    # ------------------------------------------------------------------ life
+    async def open(self) -> None:
+        state, raw = await self.meta.claim_partition(self.topic, self.partition, self.cfg.node_id)
+        self.epoch, self._state_raw = state.epoch, raw
+        self.hw = self.next_offset = state.hw
+        self.log_start = state.log_start
+        self.segments = [m for m in await self.meta.list_segments(self.topic, self.partition) if m.last < self.hw]
+        self._bases = [m.base for m in self.segments]
+        self._flusher = asyncio.create_task(self._flush_loop(), name=f"flush {self.topic}/{self.partition}")
+        log.info("opened %s/%d epoch=%d hw=%d segments=%d", self.topic, self.partition, self.epoch, self.hw,
+                 len(self.segments))
+
+    async def close(self, code: ErrorCode = ErrorCode.NOT_LEADER_OR_FOLLOWER) -> None:
+        self.closed = True
+        if self._flusher:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+        self._fail_pending(self._pending, code)
+        self._pending = []
+
+    # --------------------------------------------------------------- produce
+    def append(self, payload: memoryview, batches: list[_native.BatchInfo], want_ack: bool
+               ) -> tuple[int, asyncio.Future[int] | None]:
+        """Queue validated batches; returns (base offset, future resolved once durable)."""
+        if self.closed:
+            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, "partition log closed")
+        first = batches[0]
+        if first.producer_id >= 0:
+            dup = self._check_sequence(first, batches[-1])
+            if dup is not None:
+                fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+                fut.set_result(dup)
+                return dup, fut
+        base = self.next_offset
+        self.next_offset += sum(b.last_offset_delta + 1 for b in batches)
+        fut = asyncio.get_running_loop().create_future() if want_ack else None
+        self._pending.append(_Pending(payload, base, fut))
+        self._pending_bytes += len(payload)
+        if first.producer_id >= 0:
+            self._producers[first.producer_id].recent.append(
+                (first.base_sequence, batches[-1].base_sequence + batches[-1].last_offset_delta, base))
+        self._wake.set()
+        return base, fut
+
+    def _check_sequence(self, first: _native.BatchInfo, last: _native.BatchInfo) -> int | None:
+        """Idempotent producer bookkeeping: returns the original base offset for
+        a retried duplicate, None for the next batch in sequence."""
+        st = self._producers.get(first.producer_id)
+        if st is None or first.producer_epoch > st.epoch:
+            self._producers[first.producer_id] = _ProducerState(first.producer_epoch)
+            return None
+        if first.producer_epoch < st.epoch:
+            raise LogError(ErrorCode.INVALID_PRODUCER_EPOCH, "producer epoch is older than the current one")
+        for first_seq, _, base in st.recent:
+            if first_seq == first.base_sequence:
+                return base
+        expected = (st.last_seq + 1) & 0x7FFFFFFF
+        if st.recent and first.base_sequence != expected:
+            raise LogError(ErrorCode.OUT_OF_ORDER_SEQUENCE_NUMBER,
+                           f"sequence {first.base_sequence}, expected {expected}")
+        return None
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            if self._pending_bytes < self.cfg.segment_bytes and self.cfg.linger_ms > 0:
+                await asyncio.sleep(self.cfg.linger_ms / 1000)
+            take, size = [], 0
+            for p in self._pending:
+                if take and size + len(p.payload) > self.cfg.segment_bytes:
+                    break
+                take.append(p)
+                size += len(p.payload)
+            self._pending = self._pending[len(take):]
+            self._pending_bytes -= size
+            if not self._pending:
+                self._wake.clear()
+            try:
+                await self._flush(take)
+            except Fenced:
+                log.warning("%s/%d: fenced by a newer owner; failing %d pending appends", self.topic,
+                            self.partition, len(take) + len(self._pending))
+                self._fail_pending(take, ErrorCode.NOT_LEADER_OR_FOLLOWER)
+                self.closed = True
+                self._fail_pending(self._pending, ErrorCode.NOT_LEADER_OR_FOLLOWER)
+                self._pending = []
+                return
+
+    def _fail_pending(self, items: list[_Pending], code: ErrorCode) -> None:
+        for p in items:
+            if p.future is not None and not p.future.done():
+                p.future.set_exception(LogError(code))
+
+    async def _flush(self, items: list[_Pending]) -> None:
+        seg = build_segment([(p.payload, p.base) for p in items], int(time.time() * 1000))
+        key = segment_key(self.cfg.namespace, self.topic, self.partition, seg.base_offset)
+        manifest = SegmentManifest(seg.base_offset, seg.last_offset, seg.count, len(seg.data), seg.min_timestamp,
+                                   seg.max_timestamp, key, int(time.time() * 1000))
+        delay = 0.05
+        while True:
+            try:
+                await self._upload(key, seg.data, seg.index)
+                new_state = PartitionState(self.cfg.node_id, self.epoch, seg.last_offset + 1, self.log_start)
+                self._state_raw = await self._commit(new_state, manifest)
+                break
+            except Fenced:
+                raise
+            except Exception as exc:  # S3 or etcd unavailable: keep the data and retry
+                log.warning("%s/%d: flush of %s failed (%s); retrying in %.2fs", self.topic, self.partition, key,
+                            exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self.cache.put(key, CachedSegment.from_built(seg))
+        self.segments.append(manifest)
+        self._bases.append(manifest.base)
+        self.hw = seg.last_offset + 1
+        for p in items:
+            if p.future is not None and not p.future.done():
+                p.future.set_result(p.base)
+        self._on_commit()
+
+    async def _upload(self, key: str, data: bytearray, index: bytes) -> None:
+        try:
+            await asyncio.gather(self.store.put(key, data), self.store.put(index_key(key), index))
+        except ObjectExists:
+            # Left by an owner that crashed between upload and commit (or by our own
+            # earlier attempt). The watermark has not reached this base, so the
+            # object holds nothing acknowledged: verify that in etcd, replace it.
+            cur = await self.meta.get_partition(self.topic, self.partition)
+            if cur is None or cur[1] != self._state_raw:
+                raise Fenced(f"{self.topic}/{self.partition}") from None
+            log.info("replacing uncommitted leftover %s", key)
+            await asyncio.gather(self.store.delete(key), self.store.delete(index_key(key)))
+            await asyncio.gather(self.store.put(key, data), self.store.put(index_key(key), index))
+
+    async def _commit(self, new_state: PartitionState, manifest: SegmentManifest) -> bytes:
+        try:
+            return await self.meta.commit_segment(self.topic, self.partition, self._state_raw, new_state, manifest)
+        except Fenced:
+            cur = await self.meta.get_partition(self.topic, self.partition)
+            if cur is not None and cur[1] == new_state.to_json():
+                return cur[1]  # an earlier attempt whose reply was lost did commit
+            raise
+
+    # ------------------------------------------------------------------ read
+    async def read(self, offset: int, max_bytes: int) -> memoryview | bytes | None:
+        """Committed batches starting at the one holding `offset` (None at the
+        watermark). Raises LogError(OFFSET_OUT_OF_RANGE) outside the log."""
+        if offset < self.log_start or offset > self.hw:
+            raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} outside [{self.log_start}, {self.hw}]")
+        if offset == self.hw:
+            return None
+        i = bisect.bisect_right(self._bases, offset) - 1
+        if i < 0:
+            raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} precedes every segment")
+        m = self.segments[i]
+        if offset > m.last and i + 1 < len(self.segments):
+            m = self.segments[i + 1]
+        cached = self.cache.get(m.key)
+        if cached is not None:
+            return cached.slice_from(offset, max_bytes)
+        if m.size <= self.cfg.cache_bytes // 8:
+            seg = CachedSegment.from_object(await self.store.get(m.key))
+            self.cache.put(m.key, seg)
+            return seg.slice_from(offset, max_bytes)
+        return await self._ranged_read(m, offset, max_bytes)
+
+    async def _ranged_read(self, m: SegmentManifest, offset: int, max_bytes: int) -> bytes:
+        """Read a big, uncached segment with the index and one ranged GET."""
+        idx = self._indexes.get(m.key)
+        if idx is None:
+            idx = parse_index(await self.store.get(index_key(m.key)))
+            self._indexes[m.key] = idx
+        start = idx.lookup(offset)
+        body_end = m.size - FOOTER_SIZE
+        want = max(max_bytes, 1024 * 1024)
+        data = await self.store.get(m.key, start, min(start + want, body_end))
+        while True:
+            keep = 0
+            first_needed = None
+            pos = 0
+            while pos + _native.LOG_OVERHEAD <= len(data):
+                size = int.from_bytes(data[pos + 8:pos + 12], "big") + _native.LOG_OVERHEAD
+                if pos + size > len(data):
+                    break
+                base = int.from_bytes(data[pos:pos + 8], "big")
+                last = base + int.from_bytes(data[pos + 23:pos + 27], "big")
+                if last < offset:
+                    pos += size
+                    continue
+                if first_needed is None:
+                    first_needed = pos
+                elif pos + size - first_needed > max_bytes:
+                    break
+                pos += size
+                keep = pos
+            if first_needed is not None:
+                return data[first_needed:keep]
+            # the batch holding `offset` did not fit: read exactly to its end
+            size = int.from_bytes(data[pos + 8:pos + 12], "big") + _native.LOG_OVERHEAD
+            data = await self.store.get(m.key, start, min(start + pos + size, body_end))
+
+    async def offset_for_timestamp(self, ts: int) -> tuple[int, int]:
+        """First offset whose record timestamp is >= ts, with that timestamp;
+        (-1, -1) when none."""
+        for m in self.segments:
+            if m.max_ts < ts or m.last < self.log_start:
+                continue
+            seg = self.cache.get(m.key)
+            if seg is None:
+                seg = CachedSegment.from_object(await self.store.get(m.key))
+                self.cache.put(m.key, seg)
+            body = memoryview(seg.data)[HEADER_SIZE:seg.body_end]
+            for b in _native.scan_batches(body):
+                if b.max_timestamp < ts:
+                    continue
+                for off, rts, _, _, _ in _native.iter_records(b, body):
+                    if rts >= ts and off >= self.log_start:
+                        return off, rts
+        return -1, -1

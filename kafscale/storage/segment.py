@@ -1,0 +1,164 @@
+"""The .kfs segment and .index formats (byte layout in docs/segment-format.md).
+
+Segment:  header(32) | RecordBatch v2 bytes, offsets assigned | footer(16)
+  header: magic "KAFS" u32, version u16, flags u16, base offset i64,
+          message count i32, created ms i64, reserved 4 bytes
+  footer: CRC32C of all batch bytes u32, last offset i64, magic "END!" u32
+Index:    header(16) | entries of (offset i64, position i32)
+  header: magic "IDX\\0" u32, version u16, entry count i32,
+          interval i32, reserved 2 bytes
+An index entry names the first offset of a batch and that batch's byte
+position in the .kfs object; one entry is written for the first batch and
+then for the first batch that starts `interval` or more bytes after the
+previous entry. All integers are big-endian."""
+from __future__ import annotations
+
+import bisect
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kafscale import _native
+
+SEGMENT_MAGIC = 0x4B414653  # "KAFS"
+FOOTER_MAGIC = 0x454E4421  # "END!"
+INDEX_MAGIC = 0x49445800  # "IDX\0"
+FORMAT_VERSION = 1
+HEADER = struct.Struct(">IHHqiq4x")
+FOOTER = struct.Struct(">IqI")
+INDEX_HEADER = struct.Struct(">IHii2x")
+INDEX_ENTRY = struct.Struct(">qi")
+HEADER_SIZE = HEADER.size  # 32
+FOOTER_SIZE = FOOTER.size  # 16
+DEFAULT_INDEX_INTERVAL = 64 * 1024
+
+
+class SegmentFormatError(ValueError):
+    pass
+
+
+def segment_key(namespace: str, topic: str, partition: int, base_offset: int) -> str:
+    return f"{namespace}/{topic}/{partition}/segment-{base_offset:020d}.kfs"
+
+
+def index_key(segment: str) -> str:
+    return segment[: -len(".kfs")] + ".index"
+
+
+@dataclass
+class BuiltSegment:
+    data: bytearray  # the whole .kfs object
+    index: bytes  # the whole .index object
+    base_offset: int
+    last_offset: int
+    count: int  # records
+    min_timestamp: int
+    max_timestamp: int
+    positions: list[int]  # byte position of each batch in `data`
+    batch_bases: list[int]  # first offset of each batch
+
+
+def build_segment(batches: Sequence[tuple[memoryview | bytes, int]], created_ms: int,
+                  index_interval: int = DEFAULT_INDEX_INTERVAL) -> BuiltSegment:
+    """Assemble a segment from (batch bytes, assigned base offset) pairs.
+
+    Batches are copied once into the object buffer and their base offsets
+    patched in place (the batch CRC does not cover it)."""
+    body_len = sum(len(b) for b, _ in batches)
+    data = bytearray(HEADER_SIZE + body_len + FOOTER_SIZE)
+    pos = HEADER_SIZE
+    positions: list[int] = []
+    bases: list[int] = []
+    count = 0
+    min_ts, max_ts = 2**63 - 1, -1
+    entries: list[bytes] = []
+    last_indexed = -index_interval
+    last_offset = -1
+    for buf, base in batches:
+        n = len(buf)
+        data[pos:pos + n] = buf
+        for info in _native.scan_batches(buf):  # a produce payload may hold several batches
+            bpos = pos + info.position
+            _native.patch_batch(data, bpos, base, 0)
+            positions.append(bpos)
+            bases.append(base)
+            if bpos - last_indexed >= index_interval:
+                entries.append(INDEX_ENTRY.pack(base, bpos))
+                last_indexed = bpos
+            count += info.record_count
+            min_ts = min(min_ts, info.base_timestamp)
+            max_ts = max(max_ts, info.max_timestamp)
+            last_offset = base + info.last_offset_delta
+            base = last_offset + 1
+        pos += n
+    if not positions:
+        raise SegmentFormatError("a segment needs at least one batch")
+    body = memoryview(data)[HEADER_SIZE:pos]
+    crc = _native.crc32c(body)
+    body.release()
+    HEADER.pack_into(data, 0, SEGMENT_MAGIC, FORMAT_VERSION, 0, bases[0], count, created_ms)
+    FOOTER.pack_into(data, pos, crc, last_offset, FOOTER_MAGIC)
+    index = INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, len(entries), index_interval) + b"".join(entries)
+    return BuiltSegment(data, index, bases[0], last_offset, count, min_ts, max_ts, positions, bases)
+
+
+@dataclass
+class SegmentHeader:
+    base_offset: int
+    count: int
+    created_ms: int
+    flags: int
+
+
+def parse_header(data: bytes | memoryview) -> SegmentHeader:
+    if len(data) < HEADER_SIZE:
+        raise SegmentFormatError("segment shorter than its header")
+    magic, version, flags, base, count, created = HEADER.unpack_from(data, 0)
+    if magic != SEGMENT_MAGIC:
+        raise SegmentFormatError(f"bad segment magic {magic:#x}")
+    if version != FORMAT_VERSION:
+        raise SegmentFormatError(f"unsupported segment version {version}")
+    return SegmentHeader(base, count, created, flags)
+
+
+def open_segment(data: bytes | bytearray | memoryview, verify: bool = True
+                 ) -> tuple[SegmentHeader, memoryview, int]:
+    """Check a whole .kfs object; returns (header, batch bytes, last offset)."""
+    header = parse_header(data)
+    if len(data) < HEADER_SIZE + FOOTER_SIZE:
+        raise SegmentFormatError("segment shorter than header + footer")
+    crc, last, magic = FOOTER.unpack_from(data, len(data) - FOOTER_SIZE)
+    if magic != FOOTER_MAGIC:
+        raise SegmentFormatError(f"bad footer magic {magic:#x}")
+    body = memoryview(data)[HEADER_SIZE:len(data) - FOOTER_SIZE]
+    if verify and _native.crc32c(body) != crc:
+        raise SegmentFormatError("segment CRC32C mismatch")
+    return header, body, last
+
+
+@dataclass
+class SegmentIndex:
+    interval: int
+    offsets: list[int]
+    positions: list[int]
+
+    def lookup(self, offset: int) -> int:
+        """Byte position of the last indexed batch starting at or before offset."""
+        i = bisect.bisect_right(self.offsets, offset) - 1
+        return self.positions[max(i, 0)] if self.positions else HEADER_SIZE
+
+
+def parse_index(data: bytes) -> SegmentIndex:
+    if len(data) < INDEX_HEADER.size:
+        raise SegmentFormatError("index shorter than its header")
+    magic, version, count, interval = INDEX_HEADER.unpack_from(data, 0)
+    if magic != INDEX_MAGIC or version != FORMAT_VERSION:
+        raise SegmentFormatError("bad index header")
+    if len(data) != INDEX_HEADER.size + count * INDEX_ENTRY.size:
+        raise SegmentFormatError("index length does not match its entry count")
+    offsets, positions = [], []
+    for i in range(count):
+        off, pos = INDEX_ENTRY.unpack_from(data, INDEX_HEADER.size + i * INDEX_ENTRY.size)
+        offsets.append(off)
+        positions.append(pos)
+    return SegmentIndex(interval, offsets, positions)
