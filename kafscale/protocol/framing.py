@@ -59,3 +59,34 @@ def encode_response(header: RequestHeader, body: dict[str, Any]) -> list[Any]:
     api.response.encode(body, header.api_version, w)
     chunks = w.finish()
     return [_I32.pack(w.size), *chunks]
+
+
+def encode_request(api_key: int, api_version: int, correlation_id: int, body: dict[str, Any],
+                   client_id: str | None = "kafscale") -> bytes:
+    """Frame a request (size prefix included), as a client would send it."""
+    api = APIS[api_key]
+    w = Writer()
+    w.write(_HDR.pack(api_key, api_version, correlation_id))
+    cid = None if client_id is None else client_id.encode()
+    w.write(struct.pack(">h", -1) if cid is None else struct.pack(">h", len(cid)) + cid)
+    if api_version >= api.request.flexible_min:
+        w.write(b"\x00")
+    api.request.encode(body, api_version, w)
+    data = b"".join(bytes(c) for c in w.finish())
+    return _I32.pack(len(data)) + data
+
+
+def decode_response(api_key: int, api_version: int, frame: bytes) -> tuple[int, dict[str, Any]]:
+    """Decode a response frame (without its size prefix): (correlation id, body)."""
+    api = APIS[api_key]
+    mv = memoryview(frame)
+    (correlation_id,) = _I32.unpack_from(mv, 0)
+    r = Reader(mv, 4)
+    if api_version >= api.response.flexible_min and api_key != API_VERSIONS.key:
+        for _ in range(r.uvarint()):
+            r.uvarint()
+            r.take(r.uvarint())
+    body, end = api.response.decode(mv, api_version, r.pos)
+    if end != len(frame):
+        raise DecodeError(f"{len(frame) - end} trailing bytes in {api.name} response")
+    return correlation_id, body

@@ -1,0 +1,183 @@
+"""Bad input: the broker answers with a Kafka error or closes that one
+connection with a log line, keeps serving everyone else, and never commits
+anything from a rejected batch."""
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+
+import boto3
+import pytest
+
+from kafscale import _native
+from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.schemas import API_VERSIONS, LIST_OFFSETS, METADATA, PRODUCE
+from tests.conftest import BrokerProcess
+from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
+from tests.integration.rawclient import RawClient
+
+
+@pytest.fixture(scope="module")
+def plain_broker(stack, tmp_path_factory):
+    """A broker with the default configuration (auto-create off)."""
+    b = BrokerProcess(stack, tmp_path_factory.mktemp("bad-input"), f"b{uuid.uuid4().hex[:10]}").start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def served(plain_broker, topic_name):
+    create_topic(plain_broker.bootstrap, topic_name)
+    return plain_broker, topic_name
+
+
+def still_serves(b, topic: str) -> None:
+    """The broker process is alive and a real client can still produce + consume."""
+    assert b.alive()
+    c = RawClient(b.bootstrap)
+    before = latest_offset(c, topic)
+    c.close()
+    off = confluent_produce(b.bootstrap, topic, [Rec(b"ok", b"still serving")])
+    assert off == [before]
+    got = confluent_consume(b.bootstrap, topic, before + 1)
+    assert got[-1] == (before, Rec(b"ok", b"still serving"))
+
+
+def produce_raw(c: RawClient, topic: str, records: bytes, version: int = 9) -> dict:
+    body = {"acks": -1, "timeout_ms": 10000,
+            "topic_data": [{"name": topic, "partition_data": [{"index": 0, "records": records}]}]}
+    resp = c.request(PRODUCE.key, version, body)
+    return resp["responses"][0]["partition_responses"][0]
+
+
+def latest_offset(c: RawClient, topic: str) -> int:
+    body = {"replica_id": -1, "topics": [{"name": topic, "partitions": [{"partition_index": 0, "timestamp": -1}]}]}
+    return c.request(LIST_OFFSETS.key, 5, body)["topics"][0]["partitions"][0]["offset"]
+
+
+def segment_objects(stack, b, topic: str) -> list[str]:
+    s3 = boto3.client("s3", endpoint_url=stack.s3_endpoint, aws_access_key_id=DEV_ACCESS_KEY,
+                      aws_secret_access_key=DEV_SECRET_KEY, region_name="us-east-1")
+    r = s3.list_objects_v2(Bucket=stack.bucket, Prefix=f"{b.cluster}/{topic}/")
+    return [o["Key"] for o in r.get("Contents", [])]
+
+
+@pytest.mark.parametrize("name,payload,reason", [
+    ("truncated frame", struct.pack(">i", 100) + b"\x00\x03" + b"x" * 10, "truncated frame"),
+    ("negative size", struct.pack(">i", -5), "frame size -5"),
+    ("oversized frame", struct.pack(">i", 2**31 - 1) + b"\x00" * 8, "frame size 2147483647"),
+    ("tiny frame", struct.pack(">i", 3) + b"abc", "frame size 3"),
+    ("unknown api key", struct.pack(">ihhih", 10, 999, 0, 1, -1), "unknown API key 999"),
+    ("unsupported version", struct.pack(">ihhih", 10, 0, 2, 1, -1), "Produce v2 is not supported"),
+    ("short size prefix", b"\x00\x00", "truncated size prefix"),
+    ("bad header string", struct.pack(">ihhih", 10, 3, 1, 1, 500), "malformed request header"),
+    ("metadata array too long", struct.pack(">ihhih", 14, 3, 1, 7, -1) + struct.pack(">i", 1_000_000),
+     "malformed Metadata v1 body"),
+])
+def test_malformed_frames_close_cleanly(served, name, payload, reason):
+    b, topic = served
+    c = RawClient(b.bootstrap)
+    c.send_bytes(payload)
+    if name == "truncated frame" or name == "short size prefix":
+        c.sock.shutdown(1)  # the client goes away mid-frame
+    assert c.closed_by_peer(), f"{name}: connection should be closed"
+    c.close()
+    still_serves(b, topic)
+    assert reason in b.log(), f"no log line for {name}"
+
+
+def test_garbage_bytes(served):
+    b, topic = served
+    for _ in range(20):
+        c = RawClient(b.bootstrap)
+        c.send_bytes(os.urandom(512))
+        c.sock.shutdown(1)
+        assert c.closed_by_peer()
+        c.close()
+    still_serves(b, topic)
+
+
+def test_api_versions_unsupported_version_answers_v0(served):
+    b, _ = served
+    c = RawClient(b.bootstrap)
+    c.send_bytes(struct.pack(">ihhih", 10, API_VERSIONS.key, 99, 42, -1))
+    frame = c.read_frame()
+    assert frame is not None
+    corr, err = struct.unpack_from(">ih", frame)
+    assert (corr, err) == (42, ErrorCode.UNSUPPORTED_VERSION)
+    # and the v0 body lists our ranges so the client can retry lower
+    from kafscale.protocol.framing import decode_response
+    _, body = decode_response(API_VERSIONS.key, 0, frame)
+    assert {k["api_key"] for k in body["api_keys"]} >= {0, 1, 2, 3, 18, 19, 20}
+    c.close()
+
+
+def test_bad_crc_is_corrupt_message_and_nothing_committed(served, stack):
+    b, topic = served
+    c = RawClient(b.bootstrap)
+    before_objects = segment_objects(stack, b, topic)
+    batch = bytearray(_native.build_batch([(1000, b"k", b"v" * 100, [])]))
+    batch[-5] ^= 0xFF
+    r = produce_raw(c, topic, bytes(batch))
+    assert r["error_code"] == ErrorCode.CORRUPT_MESSAGE
+    assert "CRC" in r["error_message"]
+    # one good batch and one bad in the same payload: the whole payload is refused
+    good = _native.build_batch([(1000, b"k", b"good", [])])
+    r = produce_raw(c, topic, good + bytes(batch))
+    assert r["error_code"] == ErrorCode.CORRUPT_MESSAGE
+    assert latest_offset(c, topic) == 0
+    assert segment_objects(stack, b, topic) == before_objects
+    c.close()
+    still_serves(b, topic)
+
+
+@pytest.mark.parametrize("mutate,code", [
+    (lambda b: b[:16] + b"\x01" + b[17:], ErrorCode.INVALID_RECORD),  # magic 1
+    (lambda b: b[:-3], ErrorCode.CORRUPT_MESSAGE),  # truncated batch
+    (lambda b: b + b"\x00\x00\x00", ErrorCode.CORRUPT_MESSAGE),  # trailing junk
+])
+def test_malformed_batches_rejected(served, mutate, code):
+    b, topic = served
+    c = RawClient(b.bootstrap)
+    good = _native.build_batch([(1000, b"k", b"v", [])])
+    r = produce_raw(c, topic, mutate(good))
+    assert r["error_code"] == code, r
+    assert latest_offset(c, topic) == 0
+    c.close()
+    still_serves(b, topic)
+
+
+def test_bad_record_framing_with_valid_crc_is_invalid_record(served):
+    """Record count lies but the CRC is recomputed: caught by the record walk."""
+    b, topic = served
+    c = RawClient(b.bootstrap)
+    for codec in (0, 4):
+        batch = bytearray(_native.build_batch([(1000, b"k", b"v", []), (1001, b"k2", b"v2", [])], codec=codec))
+        struct.pack_into(">i", batch, 57, 3)  # claims 3 records
+        struct.pack_into(">i", batch, 23, 2)
+        struct.pack_into(">I", batch, 17, _native.crc32c(bytes(batch[21:])))
+        r = produce_raw(c, topic, bytes(batch))
+        assert r["error_code"] == ErrorCode.INVALID_RECORD, r
+    assert latest_offset(c, topic) == 0
+    c.close()
+
+
+def test_unknown_topic_and_partition(served):
+    b, topic = served
+    c = RawClient(b.bootstrap)
+    good = _native.build_batch([(1000, b"k", b"v", [])])
+    assert produce_raw(c, "no-such-topic", good)["error_code"] == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+    body = {"acks": -1, "timeout_ms": 1000,
+            "topic_data": [{"name": topic, "partition_data": [{"index": 7, "records": good}]}]}
+    r = c.request(PRODUCE.key, 9, body)["responses"][0]["partition_responses"][0]
+    assert r["error_code"] == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+    body["acks"] = 2
+    body["topic_data"][0]["partition_data"][0]["index"] = 0
+    r = c.request(PRODUCE.key, 9, body)["responses"][0]["partition_responses"][0]
+    assert r["error_code"] == ErrorCode.INVALID_REQUIRED_ACKS
+    md = c.request(METADATA.key, 12, {"topics": [{"name": "no-such-topic", "topic_id": bytes(16)}],
+                                      "allow_auto_topic_creation": True})
+    assert md["topics"][0]["error_code"] == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION  # auto-create is off by default
+    c.close()
