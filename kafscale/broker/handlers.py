@@ -264,10 +264,10 @@ class Broker:
                     r["log_start_offset"] = lg.log_start
                     limit = min(p["partition_max_bytes"], budget - total)
                     if limit > 0 or total == 0:
-                        data = await lg.read(p["fetch_offset"], max(limit, 1))
-                        if data:
-                            r["records"] = data
-                            total += len(data)
+                        chunks = await lg.read(p["fetch_offset"], max(limit, 1))
+                        if chunks:
+                            r["records"] = chunks
+                            total += sum(len(c) for c in chunks)
                 except LogError as exc:
                     r["error_code"] = exc.code
                     errors = True
@@ -294,6 +294,8 @@ class Broker:
                     r["offset"] = lg.hw
                 elif ts == -2:
                     r["offset"] = lg.log_start
+                elif ts == -3:  # v7+: the record with the largest timestamp
+                    r["offset"], r["timestamp"] = await lg.offset_of_max_timestamp()
                 elif ts < 0:
                     r["error_code"] = ErrorCode.INVALID_REQUEST
                 else:

@@ -135,7 +135,9 @@ class KafkaServer:
         except DecodeError as exc:
             raise ProtocolViolation(f"malformed {api.name} v{hdr.api_version} body: {exc}") from None
         if end != len(frame):
-            raise ProtocolViolation(f"{api.name} v{hdr.api_version}: {len(frame) - end} trailing bytes")
+            # Kafka ignores bytes after the body, and librdkafka sends some (a
+            # 4-byte array-count placeholder in Metadata v9+ for all topics).
+            log.debug("%s v%d: ignoring %d trailing bytes", api.name, hdr.api_version, len(frame) - end)
         body = await self.broker.handlers[hdr.api_key](hdr, req)
         return None if body is None else encode_response(hdr, body)
 

@@ -29,15 +29,16 @@ class CachedSegment:
         infos = _native.scan_batches(body)
         return cls(data, [b.base_offset for b in infos], [HEADER_SIZE + b.position for b in infos])
 
-    def slice_from(self, offset: int, max_bytes: int) -> memoryview:
+    def slice_from(self, offset: int, max_bytes: int) -> tuple[memoryview, bool]:
         """Whole batches from the one holding `offset`, up to max_bytes (always
-        at least one batch, as Kafka does so that big records make progress)."""
+        at least one batch, as Kafka does so that big records make progress),
+        and whether they reach the end of the segment."""
         i = max(bisect.bisect_right(self.bases, offset) - 1, 0)
         start = self.positions[i]
         ends = [*self.positions[1:], self.body_end]  # end of each batch
         last = max(bisect.bisect_right(ends, start + max_bytes) - 1, i)
         end = ends[last]
-        return memoryview(self.data)[start:end]
+        return memoryview(self.data)[start:end], end == self.body_end
 
 
 class SegmentCache:

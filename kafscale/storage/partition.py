@@ -229,29 +229,44 @@ class PartitionLog:
             raise
 
     # ------------------------------------------------------------------ read
-    async def read(self, offset: int, max_bytes: int) -> memoryview | bytes | None:
-        """Committed batches starting at the one holding `offset` (None at the
-        watermark). Raises LogError(OFFSET_OUT_OF_RANGE) outside the log."""
+    async def read(self, offset: int, max_bytes: int) -> list[memoryview | bytes]:
+        """Committed batches from the one holding `offset`, across segments,
+        whole batches only, up to max_bytes (but always at least one batch so
+        that a record larger than max_bytes still makes progress). Empty at the
+        watermark; raises LogError(OFFSET_OUT_OF_RANGE) outside the log."""
         if offset < self.log_start or offset > self.hw:
             raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} outside [{self.log_start}, {self.hw}]")
-        if offset == self.hw:
-            return None
+        out: list[memoryview | bytes] = []
+        size = 0
         i = bisect.bisect_right(self._bases, offset) - 1
-        if i < 0:
+        if i < 0 and offset < self.hw:
             raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} precedes every segment")
-        m = self.segments[i]
-        if offset > m.last and i + 1 < len(self.segments):
-            m = self.segments[i + 1]
+        while offset < self.hw and i < len(self.segments) and size < max_bytes:
+            m = self.segments[i]
+            if offset > m.last:
+                i += 1
+                continue
+            chunk, to_end = await self._read_segment(m, offset, max_bytes - size)
+            if out and size + len(chunk) > max_bytes:
+                break
+            out.append(chunk)
+            size += len(chunk)
+            if not to_end:
+                break
+            offset, i = m.last + 1, i + 1
+        return out
+
+    async def _read_segment(self, m: SegmentManifest, offset: int, max_bytes: int) -> tuple[memoryview | bytes, bool]:
+        """Batches of one segment from `offset`; and whether they reach its end."""
         cached = self.cache.get(m.key)
+        if cached is None and m.size <= self.cfg.cache_bytes // 8:
+            cached = CachedSegment.from_object(await self.store.get(m.key))
+            self.cache.put(m.key, cached)
         if cached is not None:
             return cached.slice_from(offset, max_bytes)
-        if m.size <= self.cfg.cache_bytes // 8:
-            seg = CachedSegment.from_object(await self.store.get(m.key))
-            self.cache.put(m.key, seg)
-            return seg.slice_from(offset, max_bytes)
         return await self._ranged_read(m, offset, max_bytes)
 
-    async def _ranged_read(self, m: SegmentManifest, offset: int, max_bytes: int) -> bytes:
+    async def _ranged_read(self, m: SegmentManifest, offset: int, max_bytes: int) -> tuple[bytes, bool]:
         """Read a big, uncached segment with the index and one ranged GET."""
         idx = self._indexes.get(m.key)
         if idx is None:
@@ -281,10 +296,18 @@ class PartitionLog:
                 pos += size
                 keep = pos
             if first_needed is not None:
-                return data[first_needed:keep]
+                return data[first_needed:keep], start + keep == body_end
             # the batch holding `offset` did not fit: read exactly to its end
             size = int.from_bytes(data[pos + 8:pos + 12], "big") + _native.LOG_OVERHEAD
             data = await self.store.get(m.key, start, min(start + pos + size, body_end))
+
+    async def _load(self, m: SegmentManifest) -> tuple[memoryview, list[_native.BatchInfo]]:
+        seg = self.cache.get(m.key)
+        if seg is None:
+            seg = CachedSegment.from_object(await self.store.get(m.key))
+            self.cache.put(m.key, seg)
+        body = memoryview(seg.data)[HEADER_SIZE:seg.body_end]
+        return body, _native.scan_batches(body)
 
     async def offset_for_timestamp(self, ts: int) -> tuple[int, int]:
         """First offset whose record timestamp is >= ts, with that timestamp;
@@ -292,15 +315,20 @@ class PartitionLog:
         for m in self.segments:
             if m.max_ts < ts or m.last < self.log_start:
                 continue
-            seg = self.cache.get(m.key)
-            if seg is None:
-                seg = CachedSegment.from_object(await self.store.get(m.key))
-                self.cache.put(m.key, seg)
-            body = memoryview(seg.data)[HEADER_SIZE:seg.body_end]
-            for b in _native.scan_batches(body):
+            body, batches = await self._load(m)
+            for b in batches:
                 if b.max_timestamp < ts:
                     continue
                 for off, rts, _, _, _ in _native.iter_records(b, body):
                     if rts >= ts and off >= self.log_start:
                         return off, rts
         return -1, -1
+
+    async def offset_of_max_timestamp(self) -> tuple[int, int]:
+        """Offset and timestamp of the record with the largest timestamp (the
+        earliest such record on ties); (-1, -1) for an empty log."""
+        live = [m for m in self.segments if m.last >= self.log_start]
+        if not live:
+            return -1, -1
+        best = max(m.max_ts for m in live)
+        return await self.offset_for_timestamp(best)

@@ -1,0 +1,207 @@
+"""Topics (create/delete/auto-create), ListOffsets, Fetch semantics, reads
+straight from S3, and the segments CLI."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import aetcd
+import boto3
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from kafscale import _native
+from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.schemas import CREATE_TOPICS, FETCH, LIST_OFFSETS
+from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic, sample_records
+from tests.integration.rawclient import RawClient
+
+
+def s3_keys(stack, prefix: str) -> list[str]:
+    s3 = boto3.client("s3", endpoint_url=stack.s3_endpoint, aws_access_key_id=DEV_ACCESS_KEY,
+                      aws_secret_access_key=DEV_SECRET_KEY, region_name="us-east-1")
+    return [o["Key"] for o in s3.list_objects_v2(Bucket=stack.bucket, Prefix=prefix).get("Contents", [])]
+
+
+def etcd_keys(stack, prefix: str) -> list[bytes]:
+    async def run() -> list[bytes]:
+        host, port = stack.etcd_endpoint.split(":")
+        async with aetcd.Client(host=host, port=int(port)) as c:
+            return [kv.key for kv in await c.get_prefix(prefix.encode())]
+    return asyncio.run(run())
+
+
+def create_raw(c: RawClient, name: str, partitions: int = 1, rf: int = -1, configs=(), validate_only=False):
+    body = {"topics": [{"name": name, "num_partitions": partitions, "replication_factor": rf, "assignments": [],
+                        "configs": [{"name": k, "value": v} for k, v in configs]}],
+            "timeout_ms": 5000, "validate_only": validate_only}
+    return c.request(CREATE_TOPICS.key, 7, body)["topics"][0]
+
+
+def test_create_topic_errors(make_broker, topic_name):
+    b = make_broker()
+    c = RawClient(b.bootstrap)
+    assert create_raw(c, "bad/name")["error_code"] == ErrorCode.INVALID_TOPIC_EXCEPTION
+    assert create_raw(c, "x" * 250)["error_code"] == ErrorCode.INVALID_TOPIC_EXCEPTION
+    assert create_raw(c, topic_name, partitions=0)["error_code"] == ErrorCode.INVALID_PARTITIONS
+    assert create_raw(c, topic_name, rf=0)["error_code"] == ErrorCode.INVALID_REPLICATION_FACTOR
+    assert create_raw(c, topic_name, configs=[("no.such.config", "1")])["error_code"] == ErrorCode.INVALID_CONFIG
+    assert create_raw(c, topic_name, validate_only=True)["error_code"] == 0
+    r = create_raw(c, topic_name, partitions=3, configs=[("retention.ms", "60000")])
+    assert r["error_code"] == 0 and r["num_partitions"] == 3 and r["topic_id"] != bytes(16)
+    assert create_raw(c, topic_name)["error_code"] == ErrorCode.TOPIC_ALREADY_EXISTS
+    c.close()
+    md = AdminClient({"bootstrap.servers": b.bootstrap}).list_topics(timeout=10)
+    assert len(md.topics[topic_name].partitions) == 3
+
+
+def test_delete_topic_removes_objects_and_keys(make_broker, topic_name, stack):
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name, partitions=2)
+    confluent_produce(b.bootstrap, topic_name, sample_records(20, "a"), partition=0)
+    confluent_produce(b.bootstrap, topic_name, sample_records(20, "b"), partition=1)
+    assert s3_keys(stack, f"{b.cluster}/{topic_name}/")
+    assert any(topic_name.encode() in k for k in etcd_keys(stack, f"/kafscale/{b.cluster}/"))
+    admin = AdminClient({"bootstrap.servers": b.bootstrap})
+    admin.delete_topics([topic_name])[topic_name].result(30)
+    assert s3_keys(stack, f"{b.cluster}/{topic_name}/") == []
+    assert not any(topic_name.encode() in k for k in etcd_keys(stack, f"/kafscale/{b.cluster}/"))
+    assert topic_name not in admin.list_topics(timeout=10).topics
+    # the name can be reused and starts again at offset 0 with only new data
+    create_topic(b.bootstrap, topic_name)
+    fresh = [Rec(b"new", b"life")]
+    assert confluent_produce(b.bootstrap, topic_name, fresh) == [0]
+    assert confluent_consume(b.bootstrap, topic_name, 1) == [(0, fresh[0])]
+
+
+def test_auto_create_only_when_enabled(make_broker, topic_name):
+    off = make_broker()
+    from confluent_kafka import KafkaException, Producer
+    p = Producer({"bootstrap.servers": off.bootstrap, "message.timeout.ms": 3000})
+    errs = []
+    p.produce(topic_name, b"v", on_delivery=lambda err, msg: errs.append(err))
+    p.flush(10)
+    assert errs and errs[0] is not None, "produce to an unknown topic must fail without auto-create"
+    with pytest.raises(KafkaException):
+        create_topic(off.bootstrap, "bad name")
+    on = make_broker(auto_create_topics="true")
+    assert confluent_produce(on.bootstrap, topic_name, [Rec(b"k", b"v")]) == [0]
+
+
+def test_list_offsets(broker, topic_name):
+    create_topic(broker.bootstrap, topic_name)
+    from confluent_kafka import Producer
+    p = Producer({"bootstrap.servers": broker.bootstrap, "linger.ms": 0})
+    base = 1_700_000_000_000
+    for i in range(10):
+        p.produce(topic_name, value=f"v{i}".encode(), partition=0, timestamp=base + i * 1000)
+        p.flush(10)  # one batch (and segment) each, so lookups cross segments
+    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "lo"})
+    lo, hi = c.get_watermark_offsets(TopicPartition(topic_name, 0), timeout=10)
+    assert (lo, hi) == (0, 10)
+    found = c.offsets_for_times([TopicPartition(topic_name, 0, base + 4500)], timeout=10)
+    assert found[0].offset == 5
+    found = c.offsets_for_times([TopicPartition(topic_name, 0, base + 99_000)], timeout=10)
+    assert found[0].offset == -1  # nothing that late: end of log
+    c.close()
+    raw = RawClient(broker.bootstrap)
+
+    def query(ts: int, version: int = 7) -> dict:
+        body = {"replica_id": -1, "topics": [{"name": topic_name, "partitions": [{"partition_index": 0,
+                                                                                   "timestamp": ts}]}]}
+        return raw.request(LIST_OFFSETS.key, version, body)["topics"][0]["partitions"][0]
+
+    assert query(-3)["offset"] == 9 and query(-3)["timestamp"] == base + 9000  # max timestamp
+    assert query(base)["offset"] == 0
+    assert query(-2, 0)["old_style_offsets"] == [0]
+    raw.close()
+
+
+def fetch_raw(c: RawClient, topic: str, offset: int, max_wait_ms: int, min_bytes: int = 1,
+              partition_max_bytes: int = 1 << 20) -> dict:
+    body = {"max_wait_ms": max_wait_ms, "min_bytes": min_bytes, "max_bytes": 1 << 24, "isolation_level": 0,
+            "topics": [{"topic": topic, "partitions": [{"partition": 0, "fetch_offset": offset,
+                                                         "partition_max_bytes": partition_max_bytes}]}]}
+    return c.request(FETCH.key, 11, body)["responses"][0]["partitions"][0]
+
+
+def test_fetch_long_poll_and_limits(broker, topic_name):
+    create_topic(broker.bootstrap, topic_name)
+    c = RawClient(broker.bootstrap, timeout=30)
+    t0 = time.monotonic()
+    r = fetch_raw(c, topic_name, 0, max_wait_ms=1500)
+    waited = time.monotonic() - t0
+    assert r["error_code"] == 0 and r["high_watermark"] == 0 and len(r["records"]) == 0
+    assert waited >= 1.4, "an empty fetch waits for max_wait_ms"
+
+    # a waiting fetch is woken by a produce instead of sleeping out max_wait_ms
+    result = {}
+    t = threading.Thread(target=lambda: result.update(fetch_raw(c, topic_name, 0, max_wait_ms=20_000)))
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.3)
+    confluent_produce(broker.bootstrap, topic_name, [Rec(b"k", b"wake up")])
+    t.join(30)
+    assert time.monotonic() - t0 < 15 and result["high_watermark"] == 1
+    batches = _native.scan_batches(bytes(result["records"]))
+    assert batches[0].base_offset == 0
+
+    # partition_max_bytes: whole batches only, but always at least one
+    for i in range(5):
+        confluent_produce(broker.bootstrap, topic_name, [Rec(b"k", bytes([65 + i]) * 1000)])
+    r = fetch_raw(c, topic_name, 1, 0, partition_max_bytes=10)
+    assert [b.base_offset for b in _native.scan_batches(bytes(r["records"]))] == [1]
+    r = fetch_raw(c, topic_name, 1, 0, partition_max_bytes=1 << 20)
+    assert [b.base_offset for b in _native.scan_batches(bytes(r["records"]))] == [1, 2, 3, 4, 5]
+    # out of range
+    assert fetch_raw(c, topic_name, 99, 0)["error_code"] == ErrorCode.OFFSET_OUT_OF_RANGE
+    c.close()
+
+
+def test_reads_from_s3_with_no_cache(make_broker, topic_name):
+    """cache_bytes=0: every Fetch is an index lookup plus a ranged S3 GET."""
+    b = make_broker(cache_bytes=0, linger_ms=30)
+    create_topic(b.bootstrap, topic_name)
+    sent = [Rec(f"k{i}".encode(), os.urandom(2000)) for i in range(3000)]  # ~6 MB, several 64 KiB index steps
+    offsets = confluent_produce(b.bootstrap, topic_name, sent, "none")
+    got = confluent_consume(b.bootstrap, topic_name, len(sent))
+    assert [o for o, _ in got] == offsets and [r for _, r in got] == sent
+    # start in the middle of a big segment: the index narrows the ranged read
+    mid = confluent_consume(b.bootstrap, topic_name, 100, start=2500)
+    assert [o for o, _ in mid] == list(range(2500, 2600)) and [r for _, r in mid] == sent[2500:2600]
+
+
+def test_restart_serves_from_s3(make_broker, topic_name):
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name)
+    sent = sample_records(200, "restart")
+    offsets = confluent_produce(b.bootstrap, topic_name, sent, "gzip")
+    b.stop()
+    b.start()
+    got = confluent_consume(b.bootstrap, topic_name, len(sent))
+    assert [o for o, _ in got] == offsets and [r for _, r in got] == sent
+
+
+def test_segments_cli(make_broker, topic_name):
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name)
+    big = b"compressible " * 50  # librdkafka sends batches that do not shrink uncompressed
+    confluent_produce(b.bootstrap, topic_name, [Rec(b"key-1", b"value-1", (("h", b"x"),)), Rec(None, big)], "zstd")
+    env = b.env()
+    ls = subprocess.run([sys.executable, "-m", "kafscale.cli", "segments", "ls", "--topic", topic_name],
+                        env=env, capture_output=True, text=True, timeout=60)
+    assert ls.returncode == 0, ls.stderr
+    key = next(line.split()[-1] for line in ls.stdout.splitlines() if line.endswith(".kfs"))
+    assert key.endswith("segment-00000000000000000000.kfs")
+    dump = subprocess.run([sys.executable, "-m", "kafscale.cli", "segments", "dump", "--key", key],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert dump.returncode == 0, dump.stderr
+    assert 'offset=0' in dump.stdout and 'key="key-1" value="value-1" headers=h="x"' in dump.stdout
+    assert 'offset=1' in dump.stdout and 'key=null value="compressible compressible' in dump.stdout
+    assert "codec zstd" in dump.stdout
