@@ -1,0 +1,128 @@
+"""The schema-driven codec against bytes real clients send and Kafka specifies."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from kafscale.protocol.codec import DecodeError, Message, Writer, parse_schema
+from kafscale.protocol.framing import decode_response, encode_request, encode_response, parse_request_header
+from kafscale.protocol.schemas import API_VERSIONS, APIS, FETCH, METADATA, PRODUCE
+
+
+def encode(msg: Message, body: dict, v: int) -> bytes:
+    return b"".join(bytes(c) for c in msg.encode(body, v).finish())
+
+
+def test_librdkafka_api_versions_v3_request():
+    """Captured from confluent-kafka 2.16 (librdkafka): header v2, compact strings, empty tags."""
+    frame = bytes.fromhex("0012000300000001000772646b61666b6100"
+                          "17636f6e666c75656e742d6b61666b612d707974686f6e16322e31362e312d72646b61666b612d322e31362e3000")
+    hdr, pos = parse_request_header(memoryview(frame))
+    assert (hdr.api_key, hdr.api_version, hdr.correlation_id, hdr.client_id, hdr.flexible) == (18, 3, 1, "rdkafka",
+                                                                                               True)
+    body, end = API_VERSIONS.request.decode(memoryview(frame), 3, pos)
+    assert body == {"client_software_name": "confluent-kafka-python",
+                    "client_software_version": "2.16.1-rdkafka-2.16.0"}
+    assert end == len(frame)
+
+
+def test_metadata_v12_all_topics_request_from_librdkafka():
+    """librdkafka sends null topics and then 3 bytes Kafka ignores."""
+    body, end = METADATA.request.decode(memoryview(bytes.fromhex("00000000010000")), 12)
+    assert body["topics"] is None and end == 4
+
+
+def test_api_versions_response_v0_vector():
+    hdr = parse_request_header(memoryview(struct.pack(">hhih", 18, 0, 9, -1)))[0]
+    chunks = encode_response(hdr, {"error_code": 0, "api_keys": [{"api_key": 0, "min_version": 3,
+                                                                  "max_version": 9}]})
+    # size 16, correlation id 9, error 0, array of 1: (Produce, 3, 9)
+    assert b"".join(chunks) == bytes.fromhex("00000010" "00000009" "0000" "00000001" "0000" "0003" "0009")
+
+
+def test_api_versions_v3_response_uses_header_v0_and_compact_body():
+    hdr = parse_request_header(memoryview(struct.pack(">hhih", 18, 3, 5, -1) + b"\x00"))[0]
+    data = b"".join(encode_response(hdr, {"error_code": 0, "api_keys": [{"api_key": 1, "min_version": 4,
+                                                                         "max_version": 13}]}))
+    # size, correlation id, (no header tags), error, compact array(1 -> 2), key, min, max, key tags, throttle, tags
+    assert data[4:] == bytes.fromhex("00000005" "0000" "02" "0001" "0004" "000d" "00" "00000000" "00")
+
+
+def test_produce_v9_request_compact_and_records_passthrough():
+    records = b"\x00" * 70
+    frame = encode_request(0, 9, 77, {"transactional_id": None, "acks": -1, "timeout_ms": 3000, "topic_data": [
+        {"name": "t", "partition_data": [{"index": 2, "records": records}]}]}, client_id="c")
+    body = frame[4:]
+    hdr, pos = parse_request_header(memoryview(body))
+    assert hdr.flexible and hdr.correlation_id == 77
+    assert body[pos:pos + 8] == bytes.fromhex("00" "ffff" "00000bb8" "02")  # null txn id, acks, timeout, 1 topic
+    req, end = PRODUCE.request.decode(memoryview(body), 9, pos)
+    assert end == len(body)
+    assert bytes(req["topic_data"][0]["partition_data"][0]["records"]) == records
+
+
+def test_produce_v3_uses_int16_strings_and_int32_bytes():
+    data = encode(PRODUCE.request, {"transactional_id": None, "acks": 1, "timeout_ms": 5,
+                                    "topic_data": [{"name": "ab", "partition_data": [{"index": 0,
+                                                                                      "records": b"xyz"}]}]}, 3)
+    assert data == bytes.fromhex("ffff" "0001" "00000005" "00000001" "0002" "6162" "00000001" "00000000"
+                                 "00000003" "78797a")
+
+
+def test_records_list_is_written_without_joining():
+    big = [b"a" * 5000, b"b" * 6000]
+    resp = {"responses": [{"topic": "t", "topic_id": bytes(16), "partitions": [
+        {"partition_index": 0, "error_code": 0, "high_watermark": 1, "records": big}]}]}
+    w = FETCH.response.encode(resp, 11)
+    chunks = w.finish()
+    assert any(c is big[0] for c in chunks) and any(c is big[1] for c in chunks)
+    decoded, _ = FETCH.response.decode(memoryview(b"".join(bytes(c) for c in chunks)), 11)
+    assert bytes(decoded["responses"][0]["partitions"][0]["records"]) == big[0] + big[1]
+
+
+def test_tagged_fields_round_trip_and_unknown_tags_skipped():
+    msg = Message(parse_schema("""
+    a: int32
+    b: string 1+ tag=0 default=x
+    c: [ 1+
+      d: int8
+    ]
+    """), 1)
+    data = encode(msg, {"a": 1, "b": "hello", "c": [{"d": 3}]}, 1)
+    assert msg.decode(memoryview(data), 1) == ({"a": 1, "c": [{"d": 3}], "b": "hello"}, len(data))
+    # default values of tagged fields are not written
+    assert encode(msg, {"a": 1, "b": "x", "c": []}, 1) == bytes.fromhex("00000001" "01" "00")
+    # an unknown tag (7) is skipped
+    data = bytes.fromhex("00000001" "01" "00" "01" "07" "02" "abcd")
+    assert msg.decode(memoryview(data), 1)[0]["b"] == "x"
+
+
+@pytest.mark.parametrize("data", [b"", b"\x00\x00\x00", bytes.fromhex("0000000201"), bytes.fromhex("7fffffff")])
+def test_truncated_bodies_raise_decode_error(data):
+    with pytest.raises(DecodeError):
+        METADATA.request.decode(memoryview(data), 1)
+
+
+def test_every_api_version_round_trips_defaults():
+    for api in APIS.values():
+        for v in range(api.min_version, api.max_version + 1):
+            for msg in (api.request, api.response):
+                data = encode(msg, {}, v)
+                decoded, end = msg.decode(memoryview(data), v)
+                assert end == len(data), (api.name, v)
+                assert encode(msg, decoded, v) == data, (api.name, v)
+
+
+def test_response_decode_helper_round_trip():
+    hdr = parse_request_header(memoryview(struct.pack(">hhih", 3, 12, 4, -1) + b"\x00"))[0]
+    frame = b"".join(encode_response(hdr, {"brokers": [{"node_id": 1, "host": "h", "port": 1}], "topics": []}))
+    corr, body = decode_response(3, 12, frame[4:])
+    assert corr == 4 and body["brokers"][0]["host"] == "h"
+
+
+def test_writer_keeps_small_writes_together():
+    w = Writer()
+    w.write(b"ab")
+    w.write_big(b"cd")
+    assert w.finish() == [b"abcd"]

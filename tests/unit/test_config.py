@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kafscale import config
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    config.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_file_then_env_then_flags(tmp_path):
+    f = tmp_path / "k.toml"
+    f.write_text('bucket = "from-file"\nlinger_ms = 7\nauto_create_topics = true\n')
+    cfg = config.load(parse(["--config", str(f)]), environ={})
+    assert (cfg.bucket, cfg.linger_ms, cfg.auto_create_topics) == ("from-file", 7, True)
+    cfg = config.load(parse(["--config", str(f)]), environ={"KAFSCALE_BUCKET": "from-env"})
+    assert cfg.bucket == "from-env"
+    cfg = config.load(parse(["--config", str(f), "--bucket", "from-flag", "--no-auto-create-topics"]),
+                      environ={"KAFSCALE_BUCKET": "from-env"})
+    assert (cfg.bucket, cfg.auto_create_topics) == ("from-flag", False)
+
+
+def test_defaults_and_addresses():
+    cfg = config.load(parse([]), environ={})
+    assert cfg.auto_create_topics is False
+    assert cfg.advertised_addr() == ("127.0.0.1", 9092)
+    cfg = config.load(parse(["--advertised", "b1.example:19092"]), environ={})
+    assert cfg.advertised_addr() == ("b1.example", 19092)
+
+
+def test_unknown_file_key(tmp_path):
+    f = tmp_path / "k.toml"
+    f.write_text("no_such_option = 1\n")
+    with pytest.raises(ValueError, match="no_such_option"):
+        config.load(parse(["--config", str(f)]), environ={})

@@ -1,0 +1,86 @@
+"""The .kfs / .index byte layout (docs/segment-format.md)."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from kafscale import _native
+from kafscale.storage.cache import CachedSegment
+from kafscale.storage.segment import (
+    SegmentFormatError,
+    build_segment,
+    index_key,
+    open_segment,
+    parse_index,
+    segment_key,
+)
+
+
+def batches(n: int, per: int = 3, size: int = 100) -> list[bytes]:
+    return [_native.build_batch([(1000 + i, b"k", bytes([i % 256]) * size, [])] * per) for i in range(n)]
+
+
+def test_keys():
+    k = segment_key("ns", "orders", 3, 42)
+    assert k == "ns/orders/3/segment-00000000000000000042.kfs"
+    assert index_key(k) == "ns/orders/3/segment-00000000000000000042.index"
+
+
+def test_segment_bytes():
+    bs = batches(4)
+    payload = bs[0] + bs[1]  # one produce payload may hold several batches
+    seg = build_segment([(payload, 100), (bs[2], 106), (bs[3], 109)], created_ms=1234, index_interval=1)
+    data = bytes(seg.data)
+    magic, version, flags, base, count, created = struct.unpack_from(">IHHqiq", data, 0)
+    assert (magic, version, flags, base, count, created) == (0x4B414653, 1, 0, 100, 12, 1234)
+    assert data[:4] == b"KAFS" and data[28:32] == b"\0\0\0\0"
+    crc, last, end = struct.unpack_from(">IqI", data, len(data) - 16)
+    assert data[-4:] == b"END!" and end == 0x454E4421 and last == 111
+    assert crc == _native.crc32c(data[32:-16])
+    # batches are stored as sent, with base offsets patched in place
+    infos = _native.scan_batches(data[32:-16], True)
+    assert [b.base_offset for b in infos] == [100, 103, 106, 109]
+    assert seg.positions == [32 + b.position for b in infos]
+    hdr, body, last_off = open_segment(data)
+    assert (hdr.base_offset, hdr.count, last_off, len(body)) == (100, 12, 111, len(data) - 48)
+
+
+def test_index_bytes_and_lookup():
+    bs = batches(10, per=3, size=250)  # ~830 bytes a batch: an entry every 4th batch
+    seg = build_segment([(b, i * 3) for i, b in enumerate(bs)], created_ms=0, index_interval=2500)
+    idx = seg.index
+    magic, version, count, interval = struct.unpack_from(">IHii", idx, 0)
+    assert idx[:4] == b"IDX\0" and (magic, version, interval) == (0x49445800, 1, 2500)
+    assert len(idx) == 16 + 12 * count
+    parsed = parse_index(idx)
+    assert parsed.offsets[0] == 0 and parsed.positions[0] == 32
+    assert 1 < count < 10  # sparse
+    for off, pos in zip(parsed.offsets, parsed.positions, strict=True):
+        assert seg.positions[seg.batch_bases.index(off)] == pos
+    assert parsed.lookup(0) == 32
+    assert parsed.lookup(29) == parsed.positions[-1]
+    assert parsed.lookup(parsed.offsets[1] - 1) == 32
+
+
+def test_corruption_detected():
+    seg = build_segment([(batches(1)[0], 0)], created_ms=0)
+    data = bytearray(seg.data)
+    data[40] ^= 1
+    with pytest.raises(SegmentFormatError):
+        open_segment(bytes(data))
+    with pytest.raises(SegmentFormatError):
+        open_segment(b"NOPE" + bytes(seg.data[4:]))
+    with pytest.raises(SegmentFormatError):
+        parse_index(seg.index[:-1])  # entry count and length disagree
+
+
+def test_cached_slices_whole_batches():
+    bs = batches(5, per=1, size=1000)
+    seg = CachedSegment.from_object(bytes(build_segment([(b, i) for i, b in enumerate(bs)], 0).data))
+    view, to_end = seg.slice_from(2, 10)  # at least one batch
+    assert [b.base_offset for b in _native.scan_batches(bytes(view))] == [2] and not to_end
+    view, to_end = seg.slice_from(1, 2 * len(bs[0]) + 5)
+    assert [b.base_offset for b in _native.scan_batches(bytes(view))] == [1, 2]
+    view, to_end = seg.slice_from(3, 1 << 20)
+    assert [b.base_offset for b in _native.scan_batches(bytes(view))] == [3, 4] and to_end
