@@ -29,7 +29,10 @@ def free_port() -> int:
 
 
 def port_is_free(port: int) -> bool:
+    """True if a server can listen on the port (TIME_WAIT leftovers do not count,
+    as etcd, SeaweedFS and the broker all listen with SO_REUSEADDR)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True

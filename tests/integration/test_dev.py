@@ -1,0 +1,50 @@
+"""`kafscale dev`: the first README command, with Ctrl-C and --data-dir."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from kafscale.devstack import free_port
+from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
+
+
+def start_dev(data_dir, port: int, etcd_port: int, s3_port: int, log) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", "dev", "--data-dir", str(data_dir),
+                             "--port", str(port), "--etcd-port", str(etcd_port), "--s3-port", str(s3_port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "kafscale dev exited early"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        time.sleep(0.1)
+    raise AssertionError("kafscale dev did not start")
+
+
+def ctrl_c(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGINT)
+    return proc.wait(60)
+
+
+def test_dev_keeps_data_across_restarts(tmp_path):
+    ports = (free_port(), free_port(), free_port())
+    bootstrap = f"127.0.0.1:{ports[0]}"
+    with open(tmp_path / "dev.log", "ab") as log:
+        proc = start_dev(tmp_path / "data", *ports, log)
+        create_topic(bootstrap, "persisted")
+        sent = [Rec(f"k{i}".encode(), f"v{i}".encode()) for i in range(50)]
+        assert confluent_produce(bootstrap, "persisted", sent, "snappy") == list(range(50))
+        assert ctrl_c(proc) == 0
+        for port in ports:  # Ctrl-C stopped all three servers
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", port)) != 0
+        proc = start_dev(tmp_path / "data", *ports, log)
+        try:
+            assert [r for _, r in confluent_consume(bootstrap, "persisted", 50)] == sent
+            assert confluent_produce(bootstrap, "persisted", [Rec(b"k", b"after restart")]) == [50]
+        finally:
+            assert ctrl_c(proc) == 0
