@@ -31,18 +31,10 @@ def _gbps(benchmark, nbytes: int) -> None:
     benchmark.extra_info["GB/s"] = round(nbytes / benchmark.stats.stats.mean / 1e9, 2)
 
 
-def test_crc32c_1mib(benchmark, buf):
-    benchmark(_native.crc32c, buf)
-    _gbps(benchmark, len(buf))
-
-
-def test_crc32c_table_path_1mib(benchmark, buf):
-    benchmark(_native.crc32c_portable, buf)
-    _gbps(benchmark, len(buf))
-
-
-def test_zlib_crc32_baseline_1mib(benchmark, buf):
-    benchmark(zlib.crc32, buf)
+@pytest.mark.parametrize("fn", [_native.crc32c, _native.crc32c_portable, zlib.crc32],
+                         ids=["crc32c", "crc32c_table_path", "zlib_crc32_baseline"])
+def test_checksum_1mib(benchmark, buf, fn):
+    benchmark(fn, buf)
     _gbps(benchmark, len(buf))
 
 

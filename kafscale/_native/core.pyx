@@ -43,22 +43,22 @@ class BatchError(ValueError):
         self.code = code
 
 
-def crc32c(const uint8_t[::1] data, uint32_t crc=0):
-    """CRC32C of `data`, continuing from `crc` (0 to start)."""
+cdef uint32_t _crc(const uint8_t[::1] data, uint32_t crc, int force_sw):
     if data.shape[0] == 0:
         return crc
     with nogil:
-        crc = ks_crc32c(crc, &data[0], data.shape[0], 0)
+        crc = ks_crc32c(crc, &data[0], data.shape[0], force_sw)
     return crc
+
+
+def crc32c(const uint8_t[::1] data, uint32_t crc=0):
+    """CRC32C of `data`, continuing from `crc` (0 to start)."""
+    return _crc(data, crc, 0)
 
 
 def crc32c_portable(const uint8_t[::1] data, uint32_t crc=0):
     """CRC32C computed with the table path only (used to test the fast path)."""
-    if data.shape[0] == 0:
-        return crc
-    with nogil:
-        crc = ks_crc32c(crc, &data[0], data.shape[0], 1)
-    return crc
+    return _crc(data, crc, 1)
 
 
 cdef inline int64_t rd_i64(const uint8_t *p) noexcept nogil:

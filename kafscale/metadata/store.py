@@ -44,19 +44,21 @@ class TopicMeta:
         return cls(name, bytes.fromhex(d["id"]), d["partitions"], d.get("config", {}))
 
 
+class _JsonRecord:
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()  # type: ignore[call-overload]
+
+
 @dataclass
-class PartitionState:
+class PartitionState(_JsonRecord):
     owner: int
     epoch: int
     hw: int
     log_start: int
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
 
 @dataclass
-class SegmentManifest:
+class SegmentManifest(_JsonRecord):
     base: int
     last: int
     count: int
@@ -65,9 +67,6 @@ class SegmentManifest:
     max_ts: int
     key: str
     created_ms: int
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
 
 
 class MetaStore:
