@@ -58,8 +58,9 @@ class Broker:
             schemas.INIT_PRODUCER_ID.key: self.init_producer_id,
         }
 
-    async def close(self) -> None:
-        await asyncio.gather(*(lg.close() for lg in self.logs.values()))
+    async def close(self, drain_s: float = 10) -> None:
+        """Flush what producers are waiting on (up to drain_s), then stop."""
+        await asyncio.gather(*(lg.close(drain_s=drain_s) for lg in self.logs.values()))
         self.logs.clear()
 
     # ----------------------------------------------------------- topics/logs
@@ -107,10 +108,12 @@ class Broker:
             self.logs[key] = lg
             fut.set_result(lg)
             return lg
-        except BaseException as exc:
-            fut.set_exception(exc)
+        except Exception as exc:  # etcd unreachable or similar: clients retry on this code
+            log.warning("cannot open %s/%d: %r", topic, p, exc)
+            err = LogError(ErrorCode.LEADER_NOT_AVAILABLE, f"partition {topic}/{p} is not available: {exc}")
+            fut.set_exception(err)
             fut.exception()  # retrieved: waiters re-raise it
-            raise
+            raise err from exc
         finally:
             del self._opening[key]
 
@@ -288,7 +291,11 @@ class Broker:
                 if meta is None or not 0 <= p["partition_index"] < meta.partitions:
                     r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
                     continue
-                lg = await self.partition_log(meta.name, p["partition_index"])
+                try:
+                    lg = await self.partition_log(meta.name, p["partition_index"])
+                except LogError as exc:
+                    r["error_code"] = exc.code
+                    continue
                 ts = p["timestamp"]
                 if ts == -1:
                     r["offset"] = lg.hw

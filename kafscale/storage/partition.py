@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import logging
 import time
 from collections import deque
@@ -76,8 +77,11 @@ class PartitionLog:
         self.segments: list[SegmentManifest] = []
         self._bases: list[int] = []
         self._pending: list[_Pending] = []
+        self._inflight: list[_Pending] = []  # taken by the flush under way
         self._pending_bytes = 0
         self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # set while nothing is queued or being flushed
+        self._idle.set()
         self._flusher: asyncio.Task[None] | None = None
         self._producers: dict[int, _ProducerState] = {}
         self._indexes: dict[str, SegmentIndex] = {}
@@ -96,13 +100,18 @@ class PartitionLog:
         log.info("opened %s/%d epoch=%d hw=%d segments=%d", self.topic, self.partition, self.epoch, self.hw,
                  len(self.segments))
 
-    async def close(self, code: ErrorCode = ErrorCode.NOT_LEADER_OR_FOLLOWER) -> None:
+    async def close(self, code: ErrorCode = ErrorCode.NOT_LEADER_OR_FOLLOWER, drain_s: float = 0) -> None:
+        """Stop taking appends; with drain_s, first give queued batches that long
+        to become durable. Whatever is left is failed (never acknowledged)."""
         self.closed = True
+        if drain_s > 0 and self._flusher and not self._flusher.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), drain_s)
         if self._flusher:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
-        self._fail_pending(self._pending, code)
-        self._pending = []
+        self._fail_pending(self._inflight + self._pending, code)
+        self._pending, self._inflight = [], []
 
     # --------------------------------------------------------------- produce
     def append(self, payload: memoryview, batches: list[_native.BatchInfo], want_ack: bool
@@ -122,6 +131,7 @@ class PartitionLog:
         fut = asyncio.get_running_loop().create_future() if want_ack else None
         self._pending.append(_Pending(payload, base, fut))
         self._pending_bytes += len(payload)
+        self._idle.clear()
         if first.producer_id >= 0:
             self._producers[first.producer_id].recent.append(
                 (first.base_sequence, batches[-1].base_sequence + batches[-1].last_offset_delta, base))
@@ -161,8 +171,12 @@ class PartitionLog:
             self._pending_bytes -= size
             if not self._pending:
                 self._wake.clear()
+            self._inflight = take
             try:
                 await self._flush(take)
+                self._inflight = []
+                if not self._pending:
+                    self._idle.set()
             except Fenced:
                 log.warning("%s/%d: fenced by a newer owner; failing %d pending appends", self.topic,
                             self.partition, len(take) + len(self._pending))
