@@ -79,6 +79,7 @@ class PartitionLog:
         self._pending: list[_Pending] = []
         self._inflight: list[_Pending] = []  # taken by the flush under way
         self._pending_bytes = 0
+        self._first_pending_at = 0.0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set while nothing is queued or being flushed
         self._idle.set()
@@ -121,14 +122,14 @@ class PartitionLog:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, "partition log closed")
         first = batches[0]
         if first.producer_id >= 0:
-            dup = self._check_sequence(first, batches[-1])
+            dup = self._check_sequence(first)
             if dup is not None:
-                fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-                fut.set_result(dup)
-                return dup, fut
+                return dup, self._durable_future(dup)
         base = self.next_offset
         self.next_offset += sum(b.last_offset_delta + 1 for b in batches)
         fut = asyncio.get_running_loop().create_future() if want_ack else None
+        if not self._pending:
+            self._first_pending_at = time.monotonic()
         self._pending.append(_Pending(payload, base, fut))
         self._pending_bytes += len(payload)
         self._idle.clear()
@@ -138,7 +139,21 @@ class PartitionLog:
         self._wake.set()
         return base, fut
 
-    def _check_sequence(self, first: _native.BatchInfo, last: _native.BatchInfo) -> int | None:
+    def _durable_future(self, base: int) -> asyncio.Future[int]:
+        """A future for the queued batch at `base` (resolved at once if committed):
+        a retried duplicate is acknowledged only when its original is durable."""
+        if base < self.hw:
+            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            fut.set_result(base)
+            return fut
+        for p in self._inflight + self._pending:
+            if p.base == base:
+                if p.future is None:  # the original was sent with acks=0
+                    p.future = asyncio.get_running_loop().create_future()
+                return p.future
+        raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"batch at offset {base} is neither queued nor committed")
+
+    def _check_sequence(self, first: _native.BatchInfo) -> int | None:
         """Idempotent producer bookkeeping: returns the original base offset for
         a retried duplicate, None for the next batch in sequence."""
         st = self._producers.get(first.producer_id)
@@ -159,8 +174,10 @@ class PartitionLog:
     async def _flush_loop(self) -> None:
         while True:
             await self._wake.wait()
-            if self._pending_bytes < self.cfg.segment_bytes and self.cfg.linger_ms > 0:
-                await asyncio.sleep(self.cfg.linger_ms / 1000)
+            if self._pending_bytes < self.cfg.segment_bytes:  # linger from the oldest queued batch
+                wait = self._first_pending_at + self.cfg.linger_ms / 1000 - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
             take, size = [], 0
             for p in self._pending:
                 if take and size + len(p.payload) > self.cfg.segment_bytes:
@@ -169,6 +186,7 @@ class PartitionLog:
                 size += len(p.payload)
             self._pending = self._pending[len(take):]
             self._pending_bytes -= size
+            self._first_pending_at = time.monotonic()
             if not self._pending:
                 self._wake.clear()
             self._inflight = take
