@@ -1,6 +1,7 @@
 """`kafscale dev`: the first README command, with Ctrl-C and --data-dir."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -48,3 +49,16 @@ def test_dev_keeps_data_across_restarts(tmp_path):
             assert confluent_produce(bootstrap, "persisted", [Rec(b"k", b"after restart")]) == [50]
         finally:
             assert ctrl_c(proc) == 0
+
+
+def test_broker_fails_fast_when_etcd_or_s3_is_unusable(stack):
+    base = [sys.executable, "-m", "kafscale.cli", "broker", "--listen", f"127.0.0.1:{free_port()}"]
+    env = {**os.environ, **stack.broker_env()}
+    cases = [
+        (["--etcd", f"127.0.0.1:{free_port()}"], "etcd at 127.0.0.1"),
+        (["--s3-endpoint", f"http://127.0.0.1:{free_port()}"], "is not writable"),
+    ]
+    for extra, message in cases:
+        r = subprocess.run(base + extra, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "kafscale: cannot start" in r.stderr and message in r.stderr
