@@ -11,6 +11,8 @@ from typing import Any
 
 from kafscale import _native
 from kafscale.config import Config
+from kafscale.groups.api import GroupApi
+from kafscale.groups.coordinator import GroupCoordinator
 from kafscale.metadata.store import MetaStore, TopicExists, TopicMeta
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
@@ -57,9 +59,19 @@ class Broker:
             schemas.DELETE_TOPICS.key: self.delete_topics,
             schemas.INIT_PRODUCER_ID.key: self.init_producer_id,
         }
+        self.groups = GroupCoordinator(meta, cfg.group_initial_rebalance_delay_ms)
+        self.handlers.update(GroupApi(self.groups, self._coordinator_address, self.topic).handlers)
+
+    async def start(self) -> None:
+        await self.groups.start()
+
+    def _coordinator_address(self) -> tuple[int, str, int]:
+        host, port = self.cfg.advertised_addr()
+        return self.cfg.node_id, host, port
 
     async def close(self, drain_s: float = 10) -> None:
         """Flush what producers are waiting on (up to drain_s), then stop."""
+        await self.groups.close()
         await asyncio.gather(*(lg.close(drain_s=drain_s) for lg in self.logs.values()))
         self.logs.clear()
 

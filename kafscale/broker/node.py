@@ -42,6 +42,7 @@ class BrokerNode:
             raise StartupError(f"S3 bucket {self.cfg.bucket!r} at {self.cfg.s3_endpoint or 'AWS'} is not "
                                f"writable: {exc!r}") from exc
         self.broker = Broker(self.cfg, self.store, self.meta)
+        await self.broker.start()
         host, port = self.cfg.listen_addr()
         self.server = KafkaServer(self.broker, host, port, self.cfg.max_request_bytes)
         await self.server.start()

@@ -5,6 +5,8 @@
   segments/{topic}/{p}/{base}    manifest of one committed segment (base 20 digits)
   brokers/{id}                   {"host": ..., "port": ...} on a lease
   producer_ids                   last allocated producer id
+  offsets/{group}/{topic}/{p}    {"offset": n, "metadata": str, "leader_epoch": n, "commit_ms": n}
+  groups/{group}                 group state of the last completed rebalance (members, assignments)
 
 Every segment commit is one transaction that compares the partition key
 with the exact value this owner last wrote (it carries epoch and watermark),
@@ -164,6 +166,42 @@ class MetaStore:
                for kv in await self.client.get_prefix(self.k("segments", topic, p, ""))]
         out.sort(key=lambda m: m.base)
         return out
+
+    # ---------------------------------------------------------------- offsets
+    async def commit_offsets(self, group: str, offsets: dict[tuple[str, int], dict[str, Any]]) -> None:
+        """Write a group's committed offsets for several partitions atomically."""
+        tx = self.client.transactions
+        ops = [tx.put(self.k("offsets", group, t, p), json.dumps(v).encode()) for (t, p), v in offsets.items()]
+        await self.client.transaction(compare=[], success=ops, failure=[])
+
+    async def fetch_offsets(self, group: str) -> dict[tuple[str, int], dict[str, Any]]:
+        base = self.k("offsets", group, "")
+        out = {}
+        for kv in await self.client.get_prefix(base):
+            topic, _, p = kv.key[len(base):].decode().rpartition("/")
+            out[(topic, int(p))] = json.loads(kv.value)
+        return out
+
+    async def delete_offsets(self, group: str, topic: str | None = None) -> None:
+        start = self.k("offsets", group, "") if topic is None else self.k("offsets", group, topic, "")
+        await self.client.delete_range(start, prefix_range_end(start))
+
+    # ----------------------------------------------------------------- groups
+    async def save_group(self, group: str, state: dict[str, Any]) -> None:
+        await self.client.put(self.k("groups", group), json.dumps(state).encode())
+
+    async def load_groups(self) -> dict[str, dict[str, Any]]:
+        base = self.k("groups", "")
+        return {kv.key[len(base):].decode(): json.loads(kv.value) for kv in await self.client.get_prefix(base)}
+
+    async def delete_group(self, group: str) -> None:
+        await self.client.delete(self.k("groups", group))
+        await self.delete_offsets(group)
+
+    async def group_names_with_offsets(self) -> set[str]:
+        base = self.k("offsets", "")
+        return {kv.key[len(base):].decode().split("/", 1)[0]
+                for kv in await self.client.get_prefix(base, keys_only=True)}
 
     # ------------------------------------------------------------- producers
     async def next_producer_id(self) -> int:

@@ -13,8 +13,10 @@ own line. Versions are `3+`, `3-12` or `5`; absent means all versions.
 `tag=N` makes it a tagged field (flexible versions only).
 
 A Message compiles, per version, a list of steps; decode turns bytes into
-plain dicts with snake_case keys and encode walks the same steps, taking
-values from dicts and falling back to each field's default. Records are
+plain dicts with snake_case keys (every field of the schema is present, with
+its default where this version lacks it, so handlers need not care about
+versions) and encode walks the same steps, taking values from dicts and
+falling back to each field's default. Records are
 passed through as buffers (a list of buffers is written without joining)."""
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ MAX_VERSION = 0x7FFF
 NULL_UUID = b"\x00" * 16
 
 
+NO_DEFAULT: Any = object()  # a field without `default=` in the schema
+
+
 class DecodeError(ValueError):
     """The bytes do not match the schema (truncated, bad length, bad UTF-8)."""
 
@@ -51,7 +56,7 @@ class Field:
     vmax: int = MAX_VERSION
     null_min: int | None = None
     tag: int | None = None
-    default: Any = None
+    default: Any = NO_DEFAULT
     fields: list[Field] = field(default_factory=list)
 
     def present(self, v: int) -> bool:
@@ -61,7 +66,7 @@ class Field:
         return self.null_min is not None and v >= self.null_min
 
     def default_value(self, v: int) -> Any:
-        if self.default is not None:
+        if self.default is not NO_DEFAULT:
             return self.default
         if self.nullable(v) and self.type in ("string", "bytes", "records", "array", "struct"):
             return None
@@ -225,6 +230,7 @@ class _StructCodec:
         self.version = version
         self.flexible = flexible
         self.fields = [f for f in fields if f.present(version) and (f.tag is None or flexible)]
+        self.absent = [f for f in fields if f not in self.fields]  # decoded as their defaults
         self.regular = [f for f in self.fields if f.tag is None]
         self.tagged = sorted((f for f in self.fields if f.tag is not None), key=lambda f: f.tag or 0)
         self.children = {f.name: _StructCodec(f.fields, version, flexible)
@@ -236,6 +242,8 @@ class _StructCodec:
         for f in self.regular:
             out[f.name] = self._read(r, f)
         for f in self.tagged:
+            out[f.name] = f.default_value(self.version)
+        for f in self.absent:
             out[f.name] = f.default_value(self.version)
         if self.flexible:
             by_tag = {f.tag: f for f in self.tagged}
@@ -324,6 +332,8 @@ class _StructCodec:
         if value is _MISSING:
             value = f.default_value(self.version)
         t = f.type
+        if value is None and not f.nullable(self.version) and t in _EMPTY:
+            value = _EMPTY[t]  # null is not expressible in this version: send the empty value
         s = _PRIMS.get(t)
         if s is not None:
             w.write(s.pack(value))
@@ -370,6 +380,7 @@ class _StructCodec:
 
 
 _MISSING = object()
+_EMPTY: dict[str, Any] = {"string": "", "bytes": b"", "records": b"", "array": []}
 
 
 @dataclass

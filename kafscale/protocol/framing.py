@@ -25,6 +25,7 @@ class RequestHeader:
     correlation_id: int
     client_id: str | None
     flexible: bool
+    client_host: str = ""
 
 
 def parse_request_header(frame: memoryview) -> tuple[RequestHeader, int]:

@@ -250,6 +250,223 @@ producer_id: int64 default=-1
 producer_epoch: int16
 """)
 
+OFFSET_COMMIT = _api(8, "OffsetCommit", (0, 9), 8, """
+group_id: string
+generation_id_or_member_epoch: int32 1+ default=-1
+member_id: string 1+
+group_instance_id: string 7+ ? default=null
+retention_time_ms: int64 2-4 default=-1
+topics: [
+  name: string
+  partitions: [
+    partition_index: int32
+    committed_offset: int64
+    committed_leader_epoch: int32 6+ default=-1
+    commit_timestamp: int64 1 default=-1
+    committed_metadata: string ?
+  ]
+]
+""", """
+throttle_time_ms: int32 3+
+topics: [
+  name: string
+  partitions: [
+    partition_index: int32
+    error_code: int16
+  ]
+]
+""")
+
+OFFSET_FETCH = _api(9, "OffsetFetch", (0, 9), 6, """
+group_id: string 0-7
+topics: [ 0-7 ?2
+  name: string
+  partition_indexes: [int32]
+]
+groups: [ 8+
+  group_id: string
+  member_id: string 9+ ? default=null
+  member_epoch: int32 9+ default=-1
+  topics: [ ?8
+    name: string
+    partition_indexes: [int32]
+  ]
+]
+require_stable: bool 7+
+""", """
+throttle_time_ms: int32 3+
+topics: [ 0-7
+  name: string
+  partitions: [
+    partition_index: int32
+    committed_offset: int64
+    committed_leader_epoch: int32 5+ default=-1
+    metadata: string ?
+    error_code: int16
+  ]
+]
+error_code: int16 2-7
+groups: [ 8+
+  group_id: string
+  topics: [
+    name: string
+    partitions: [
+      partition_index: int32
+      committed_offset: int64
+      committed_leader_epoch: int32 default=-1
+      metadata: string ?
+      error_code: int16
+    ]
+  ]
+  error_code: int16
+]
+""")
+
+FIND_COORDINATOR = _api(10, "FindCoordinator", (0, 6), 3, """
+key: string 0-3
+key_type: int8 1+
+coordinator_keys: [string] 4+
+""", """
+throttle_time_ms: int32 1+
+error_code: int16 0-3
+error_message: string 1-3 ?
+node_id: int32 0-3
+host: string 0-3
+port: int32 0-3
+coordinators: [ 4+
+  key: string
+  node_id: int32
+  host: string
+  port: int32
+  error_code: int16
+  error_message: string ?
+]
+""")
+
+JOIN_GROUP = _api(11, "JoinGroup", (0, 9), 6, """
+group_id: string
+session_timeout_ms: int32
+rebalance_timeout_ms: int32 1+ default=-1
+member_id: string
+group_instance_id: string 5+ ? default=null
+protocol_type: string
+protocols: [
+  name: string
+  metadata: bytes
+]
+reason: string 8+ ? default=null
+""", """
+throttle_time_ms: int32 2+
+error_code: int16
+generation_id: int32 default=-1
+protocol_type: string 7+ ? default=null
+protocol_name: string ?7
+leader: string
+skip_assignment: bool 9+
+member_id: string
+members: [
+  member_id: string
+  group_instance_id: string 5+ ? default=null
+  metadata: bytes
+]
+""")
+
+HEARTBEAT = _api(12, "Heartbeat", (0, 4), 4, """
+group_id: string
+generation_id: int32
+member_id: string
+group_instance_id: string 3+ ? default=null
+""", """
+throttle_time_ms: int32 1+
+error_code: int16
+""")
+
+LEAVE_GROUP = _api(13, "LeaveGroup", (0, 5), 4, """
+group_id: string
+member_id: string 0-2
+members: [ 3+
+  member_id: string
+  group_instance_id: string ? default=null
+  reason: string 5+ ? default=null
+]
+""", """
+throttle_time_ms: int32 1+
+error_code: int16
+members: [ 3+
+  member_id: string
+  group_instance_id: string ?
+  error_code: int16
+]
+""")
+
+SYNC_GROUP = _api(14, "SyncGroup", (0, 5), 4, """
+group_id: string
+generation_id: int32
+member_id: string
+group_instance_id: string 3+ ? default=null
+protocol_type: string 5+ ? default=null
+protocol_name: string 5+ ? default=null
+assignments: [
+  member_id: string
+  assignment: bytes
+]
+""", """
+throttle_time_ms: int32 1+
+error_code: int16
+protocol_type: string 5+ ? default=null
+protocol_name: string 5+ ? default=null
+assignment: bytes
+""")
+
+DESCRIBE_GROUPS = _api(15, "DescribeGroups", (0, 5), 5, """
+groups: [string]
+include_authorized_operations: bool 3+
+""", """
+throttle_time_ms: int32 1+
+groups: [
+  error_code: int16
+  group_id: string
+  group_state: string
+  protocol_type: string
+  protocol_data: string
+  members: [
+    member_id: string
+    group_instance_id: string 4+ ? default=null
+    client_id: string
+    client_host: string
+    member_metadata: bytes
+    member_assignment: bytes
+  ]
+  authorized_operations: int32 3+ default=-2147483648
+]
+""")
+
+LIST_GROUPS = _api(16, "ListGroups", (0, 5), 3, """
+states_filter: [string] 4+
+types_filter: [string] 5+
+""", """
+throttle_time_ms: int32 1+
+error_code: int16
+groups: [
+  group_id: string
+  protocol_type: string
+  group_state: string 4+
+  group_type: string 5+
+]
+""")
+
+DELETE_GROUPS = _api(42, "DeleteGroups", (0, 2), 2, """
+groups_names: [string]
+""", """
+throttle_time_ms: int32
+results: [
+  group_id: string
+  error_code: int16
+]
+""")
+
 APIS: dict[int, Api] = {a.key: a for a in (
-    PRODUCE, FETCH, LIST_OFFSETS, METADATA, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS, INIT_PRODUCER_ID,
+    PRODUCE, FETCH, LIST_OFFSETS, METADATA, OFFSET_COMMIT, OFFSET_FETCH, FIND_COORDINATOR, JOIN_GROUP, HEARTBEAT,
+    LEAVE_GROUP, SYNC_GROUP, DESCRIBE_GROUPS, LIST_GROUPS, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS,
+    INIT_PRODUCER_ID, DELETE_GROUPS,
 )}

@@ -126,3 +126,13 @@ def test_writer_keeps_small_writes_together():
     w.write(b"ab")
     w.write_big(b"cd")
     assert w.finish() == [b"abcd"]
+
+
+def test_decoded_requests_carry_every_field():
+    """Fields a version lacks decode to their defaults, so handlers can read any field."""
+    from kafscale.protocol.schemas import OFFSET_COMMIT
+    data = encode(OFFSET_COMMIT.request, {"group_id": "g", "topics": [
+        {"name": "t", "partitions": [{"partition_index": 0, "committed_offset": 5}]}]}, 2)
+    req, _ = OFFSET_COMMIT.request.decode(memoryview(data), 2)
+    assert req["group_instance_id"] is None and req["generation_id_or_member_epoch"] == -1
+    assert req["topics"][0]["partitions"][0]["committed_leader_epoch"] == -1
