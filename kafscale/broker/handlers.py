@@ -10,9 +10,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kafscale import _native
+from kafscale.broker.admin import AdminApi
 from kafscale.config import Config
 from kafscale.groups.api import GroupApi
 from kafscale.groups.coordinator import GroupCoordinator
+from kafscale.metadata import topic_config
 from kafscale.metadata.store import MetaStore, TopicExists, TopicMeta
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
@@ -24,9 +26,6 @@ from kafscale.storage.partition import LogError, PartitionLog
 log = logging.getLogger(__name__)
 
 _TOPIC_RE = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")
-# Topic configs accepted by CreateTopics (stored, reported, enforced where noted).
-TOPIC_CONFIGS = {"retention.ms", "retention.bytes", "segment.bytes", "max.message.bytes", "cleanup.policy",
-                 "message.timestamp.type", "segment.ms", "min.insync.replicas", "compression.type"}
 
 Handler = Callable[[RequestHeader, dict[str, Any]], Awaitable[dict[str, Any] | None]]
 
@@ -61,6 +60,7 @@ class Broker:
         }
         self.groups = GroupCoordinator(meta, cfg.group_initial_rebalance_delay_ms)
         self.handlers.update(GroupApi(self.groups, self._coordinator_address, self.topic).handlers)
+        self.handlers.update(AdminApi(self).handlers)
 
     async def start(self) -> None:
         await self.groups.start()
@@ -100,6 +100,13 @@ class Broker:
                 return meta
         return None
 
+    async def apply_topic_meta(self, meta: TopicMeta) -> None:
+        """Adopt a topic's new configuration in the cache and its open logs."""
+        self.topics[meta.name] = meta
+        for (name, _), lg in self.logs.items():
+            if name == meta.name:
+                lg.segment_bytes = topic_config.value(meta.config, "segment.bytes", self.cfg)
+
     def _notify_commit(self) -> None:
         self._commit_event.set()
         self._commit_event = asyncio.Event()
@@ -116,6 +123,9 @@ class Broker:
         self._opening[key] = fut
         try:
             lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self._notify_commit)
+            meta = self.topics.get(topic)
+            if meta is not None:
+                lg.segment_bytes = topic_config.value(meta.config, "segment.bytes", self.cfg)
             await lg.open()
             self.logs[key] = lg
             fut.set_result(lg)
@@ -193,7 +203,8 @@ class Broker:
                     payload = pd["records"]
                     if payload is None or len(payload) == 0:
                         raise LogError(ErrorCode.INVALID_RECORD, "no records")
-                    batches = self._validate(payload)
+                    batches = self._validate(payload, topic_config.value(meta.config, "max.message.bytes",
+                                                                         self.cfg))
                     lg = await self.partition_log(meta.name, pd["index"])
                     base, fut = lg.append(payload, batches, acks != 0)
                     r["base_offset"] = base
@@ -208,13 +219,13 @@ class Broker:
         await self._await_durable(results, req["timeout_ms"] / 1000)
         return {"responses": responses, "throttle_time_ms": 0}
 
-    def _validate(self, payload: memoryview) -> list[_native.BatchInfo]:
+    def _validate(self, payload: memoryview, max_message_bytes: int) -> list[_native.BatchInfo]:
         try:
             batches = _native.validate_batches(payload, self.cfg.validate_compressed)
         except _native.BatchError as exc:
             raise LogError(ErrorCode(exc.code), str(exc)) from None
         for b in batches:
-            if b.size > self.cfg.max_message_bytes:
+            if b.size > max_message_bytes:
                 raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"batch of {b.size} bytes exceeds max.message.bytes")
         return batches
 
@@ -334,7 +345,7 @@ class Broker:
                  "num_partitions": n, "replication_factor": 1, "configs": []}
             out.append(r)
             configs = {c["name"]: c["value"] for c in t["configs"]}
-            bad_cfg = sorted(set(configs) - TOPIC_CONFIGS)
+            bad_cfg = topic_config.validate(configs)
             if topic_name_error(name):
                 r["error_code"], r["error_message"] = ErrorCode.INVALID_TOPIC_EXCEPTION, topic_name_error(name)
             elif n <= 0 or n > 10000:
@@ -346,7 +357,7 @@ class Broker:
                 r["error_code"] = ErrorCode.INVALID_REQUEST
                 r["error_message"] = "manual replica assignment is not supported"
             elif bad_cfg:
-                r["error_code"], r["error_message"] = ErrorCode.INVALID_CONFIG, f"unsupported configs {bad_cfg}"
+                r["error_code"], r["error_message"] = ErrorCode.INVALID_CONFIG, bad_cfg
             elif req.get("validate_only"):
                 pass
             else:

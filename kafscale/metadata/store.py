@@ -123,6 +123,49 @@ class MetaStore:
             ops.append(tx.delete(start, prefix_range_end(start)))
         await self.client.transaction(compare=[], success=ops, failure=[])
 
+    async def update_topic(self, name: str, config: dict[str, str] | None = None,
+                           partitions: int | None = None) -> TopicMeta:
+        """Replace a topic's config and/or grow its partition count, atomically
+        against concurrent updates."""
+        tx = self.client.transactions
+        while True:
+            r = await self.client.get(self.k("topics", name))
+            if r is None:
+                raise KeyError(name)
+            meta = TopicMeta.from_json(name, r.value)
+            old = meta.partitions
+            if config is not None:
+                meta.config = config
+            if partitions is not None:
+                meta.partitions = partitions
+            empty = PartitionState(-1, 0, 0, 0).to_json()
+            ops = [tx.put(self.k("topics", name), meta.to_json())]
+            ops += [tx.put(self.k("partitions", name, p), empty) for p in range(old, meta.partitions)]
+            ok, _ = await self.client.transaction(compare=[tx.value(self.k("topics", name)) == r.value],
+                                                  success=ops, failure=[])
+            if ok:
+                return meta
+
+    async def set_log_start(self, topic: str, p: int, expected_raw: bytes, new_state: PartitionState,
+                            dropped: list[int]) -> bytes:
+        """Advance the log start offset and forget the manifests of deleted segments."""
+        tx = self.client.transactions
+        key = self.k("partitions", topic, p)
+        new_raw = new_state.to_json()
+        ops = [tx.put(key, new_raw)] + [tx.delete(self.k("segments", topic, p, f"{b:020d}")) for b in dropped]
+        ok, _ = await self.client.transaction(compare=[tx.value(key) == expected_raw], success=ops, failure=[])
+        if not ok:
+            raise Fenced(f"{topic}/{p}")
+        return new_raw
+
+    async def list_brokers(self) -> list[tuple[int, str, int]]:
+        base = self.k("brokers", "")
+        out = []
+        for kv in await self.client.get_prefix(base):
+            d = json.loads(kv.value)
+            out.append((int(kv.key[len(base):].decode()), d["host"], d["port"]))
+        return sorted(out)
+
     # -------------------------------------------------------------- partitions
     async def get_partition(self, topic: str, p: int) -> tuple[PartitionState, bytes] | None:
         r = await self.client.get(self.k("partitions", topic, p))

@@ -465,8 +465,138 @@ results: [
 ]
 """)
 
+OFFSET_FOR_LEADER_EPOCH = _api(23, "OffsetForLeaderEpoch", (0, 4), 4, """
+replica_id: int32 3+ default=-2
+topics: [
+  topic: string
+  partitions: [
+    partition: int32
+    current_leader_epoch: int32 2+ default=-1
+    leader_epoch: int32
+  ]
+]
+""", """
+throttle_time_ms: int32 2+
+topics: [
+  topic: string
+  partitions: [
+    error_code: int16
+    partition: int32
+    leader_epoch: int32 1+ default=-1
+    end_offset: int64 default=-1
+  ]
+]
+""")
+
+DESCRIBE_CONFIGS = _api(32, "DescribeConfigs", (0, 4), 4, """
+resources: [
+  resource_type: int8
+  resource_name: string
+  configuration_keys: [string] ?
+]
+include_synonyms: bool 1+
+include_documentation: bool 3+
+""", """
+throttle_time_ms: int32
+results: [
+  error_code: int16
+  error_message: string ?
+  resource_type: int8
+  resource_name: string
+  configs: [
+    name: string
+    value: string ?
+    read_only: bool
+    is_default: bool 0
+    config_source: int8 1+ default=-1
+    is_sensitive: bool
+    synonyms: [ 1+
+      name: string
+      value: string ?
+      source: int8
+    ]
+    config_type: int8 3+
+    documentation: string 3+ ?
+  ]
+]
+""")
+
+_ALTER_CONFIGS_RESPONSE = """
+throttle_time_ms: int32
+responses: [
+  error_code: int16
+  error_message: string ?
+  resource_type: int8
+  resource_name: string
+]
+"""
+
+ALTER_CONFIGS = _api(33, "AlterConfigs", (0, 2), 2, """
+resources: [
+  resource_type: int8
+  resource_name: string
+  configs: [
+    name: string
+    value: string ?
+  ]
+]
+validate_only: bool
+""", _ALTER_CONFIGS_RESPONSE)
+
+CREATE_PARTITIONS = _api(37, "CreatePartitions", (0, 3), 2, """
+topics: [
+  name: string
+  count: int32
+  assignments: [ ?
+    broker_ids: [int32]
+  ]
+]
+timeout_ms: int32
+validate_only: bool
+""", """
+throttle_time_ms: int32
+results: [
+  name: string
+  error_code: int16
+  error_message: string ? default=null
+]
+""")
+
+INCREMENTAL_ALTER_CONFIGS = _api(44, "IncrementalAlterConfigs", (0, 1), 1, """
+resources: [
+  resource_type: int8
+  resource_name: string
+  configs: [
+    name: string
+    config_operation: int8
+    value: string ?
+  ]
+]
+validate_only: bool
+""", _ALTER_CONFIGS_RESPONSE)
+
+DESCRIBE_CLUSTER = _api(60, "DescribeCluster", (0, 1), 0, """
+include_cluster_authorized_operations: bool
+endpoint_type: int8 1+ default=1
+""", """
+throttle_time_ms: int32
+error_code: int16
+error_message: string ? default=null
+endpoint_type: int8 1+ default=1
+cluster_id: string
+controller_id: int32 default=-1
+brokers: [
+  broker_id: int32
+  host: string
+  port: int32
+  rack: string ? default=null
+]
+cluster_authorized_operations: int32 default=-2147483648
+""")
+
 APIS: dict[int, Api] = {a.key: a for a in (
     PRODUCE, FETCH, LIST_OFFSETS, METADATA, OFFSET_COMMIT, OFFSET_FETCH, FIND_COORDINATOR, JOIN_GROUP, HEARTBEAT,
     LEAVE_GROUP, SYNC_GROUP, DESCRIBE_GROUPS, LIST_GROUPS, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS,
-    INIT_PRODUCER_ID, DELETE_GROUPS,
+    INIT_PRODUCER_ID, OFFSET_FOR_LEADER_EPOCH, DESCRIBE_CONFIGS, ALTER_CONFIGS, CREATE_PARTITIONS, DELETE_GROUPS,
+    INCREMENTAL_ALTER_CONFIGS, DESCRIBE_CLUSTER,
 )}

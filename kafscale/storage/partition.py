@@ -69,6 +69,7 @@ class PartitionLog:
         self.meta = meta
         self.cache = cache
         self.prefix = f"{cfg.namespace}/{topic}/{partition}/"
+        self.segment_bytes = cfg.segment_bytes  # the topic's segment.bytes
         self.hw = 0
         self.log_start = 0
         self.next_offset = 0
@@ -174,13 +175,13 @@ class PartitionLog:
     async def _flush_loop(self) -> None:
         while True:
             await self._wake.wait()
-            if self._pending_bytes < self.cfg.segment_bytes:  # linger from the oldest queued batch
+            if self._pending_bytes < self.segment_bytes:  # linger from the oldest queued batch
                 wait = self._first_pending_at + self.cfg.linger_ms / 1000 - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
             take, size = [], 0
             for p in self._pending:
-                if take and size + len(p.payload) > self.cfg.segment_bytes:
+                if take and size + len(p.payload) > self.segment_bytes:
                     break
                 take.append(p)
                 size += len(p.payload)

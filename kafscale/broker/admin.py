@@ -1,0 +1,176 @@
+"""Admin API handlers: CreatePartitions, DescribeConfigs, AlterConfigs,
+IncrementalAlterConfigs, OffsetForLeaderEpoch, DescribeCluster."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kafscale.metadata import topic_config
+from kafscale.protocol import schemas
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.framing import RequestHeader
+from kafscale.storage.partition import LogError
+
+if TYPE_CHECKING:
+    from kafscale.broker.handlers import Broker
+
+RESOURCE_TOPIC, RESOURCE_BROKER = 2, 4
+SOURCE_TOPIC, SOURCE_STATIC_BROKER, SOURCE_DEFAULT = 1, 4, 5
+OP_SET, OP_DELETE, OP_APPEND, OP_SUBTRACT = 0, 1, 2, 3
+MAX_PARTITIONS = 10000
+
+
+class AdminApi:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.handlers = {
+            schemas.CREATE_PARTITIONS.key: self.create_partitions,
+            schemas.DESCRIBE_CONFIGS.key: self.describe_configs,
+            schemas.ALTER_CONFIGS.key: self.alter_configs,
+            schemas.INCREMENTAL_ALTER_CONFIGS.key: self.incremental_alter_configs,
+            schemas.OFFSET_FOR_LEADER_EPOCH.key: self.offset_for_leader_epoch,
+            schemas.DESCRIBE_CLUSTER.key: self.describe_cluster,
+        }
+
+    async def create_partitions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        results = []
+        for t in req["topics"]:
+            r = {"name": t["name"], "error_code": 0, "error_message": None}
+            results.append(r)
+            meta = await self.broker.topic(t["name"])
+            if meta is None:
+                r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+            elif t["count"] <= meta.partitions or t["count"] > MAX_PARTITIONS:
+                r["error_code"] = ErrorCode.INVALID_PARTITIONS
+                r["error_message"] = f"topic has {meta.partitions} partitions; the new count must be larger " \
+                                     f"(and at most {MAX_PARTITIONS})"
+            elif t["assignments"]:
+                r["error_code"] = ErrorCode.INVALID_REQUEST
+                r["error_message"] = "manual replica assignment is not supported"
+            elif not req["validate_only"]:
+                self.broker.topics[meta.name] = await self.broker.meta.update_topic(meta.name,
+                                                                                    partitions=t["count"])
+        return {"throttle_time_ms": 0, "results": results}
+
+    # ---------------------------------------------------------------- configs
+    async def describe_configs(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        results = []
+        for res in req["resources"]:
+            r: dict[str, Any] = {"error_code": 0, "error_message": None, "resource_type": res["resource_type"],
+                                 "resource_name": res["resource_name"], "configs": []}
+            results.append(r)
+            keys = res["configuration_keys"]
+            if res["resource_type"] == RESOURCE_TOPIC:
+                meta = await self.broker.topic(res["resource_name"])
+                if meta is None:
+                    r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+                    r["error_message"] = f"unknown topic {res['resource_name']}"
+                    continue
+                for name, (value, is_default) in topic_config.effective(meta.config, self.broker.cfg).items():
+                    if keys is None or name in keys:
+                        d = topic_config.TOPIC_CONFIGS[name]
+                        r["configs"].append(self._entry(name, value, is_default, False, d.type, d.doc,
+                                                        SOURCE_DEFAULT if is_default else SOURCE_TOPIC))
+            elif res["resource_type"] == RESOURCE_BROKER:
+                for name, value in self._broker_configs().items():
+                    if keys is None or name in keys:
+                        r["configs"].append(self._entry(name, value, False, True, topic_config.STRING, None,
+                                                        SOURCE_STATIC_BROKER))
+            else:
+                r["error_code"] = ErrorCode.INVALID_REQUEST
+                r["error_message"] = f"resource type {res['resource_type']} is not supported"
+        return {"throttle_time_ms": 0, "results": results}
+
+    @staticmethod
+    def _entry(name: str, value: str, is_default: bool, read_only: bool, ctype: int, doc: str | None,
+               source: int) -> dict[str, Any]:
+        return {"name": name, "value": value, "read_only": read_only, "is_default": is_default,
+                "config_source": source, "is_sensitive": False, "synonyms": [], "config_type": ctype,
+                "documentation": doc}
+
+    def _broker_configs(self) -> dict[str, str]:
+        cfg = self.broker.cfg
+        return {"broker.id": str(cfg.node_id), "auto.create.topics.enable": str(cfg.auto_create_topics).lower(),
+                "num.partitions": str(cfg.default_partitions), "message.max.bytes": str(cfg.max_message_bytes),
+                "socket.request.max.bytes": str(cfg.max_request_bytes), "log.segment.bytes": str(cfg.segment_bytes),
+                "group.initial.rebalance.delay.ms": str(cfg.group_initial_rebalance_delay_ms)}
+
+    async def alter_configs(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        """Non-incremental: the given set replaces the topic's configs."""
+        return await self._alter(req, lambda current, configs: {c["name"]: c["value"] for c in configs})
+
+    async def incremental_alter_configs(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        def apply(current: dict[str, str], configs: list[dict[str, Any]]) -> dict[str, str]:
+            out = dict(current)
+            for c in configs:
+                op = c["config_operation"]
+                if op == OP_SET:
+                    out[c["name"]] = c["value"]
+                elif op == OP_DELETE:
+                    out.pop(c["name"], None)
+                elif op in (OP_APPEND, OP_SUBTRACT) and c["name"] == "cleanup.policy":
+                    items = [x for x in out.get(c["name"], "delete").split(",") if x]
+                    items = [*items, c["value"]] if op == OP_APPEND else [x for x in items if x != c["value"]]
+                    out[c["name"]] = ",".join(dict.fromkeys(items))
+                else:
+                    raise LogError(ErrorCode.INVALID_CONFIG, f"operation {op} is not valid for {c['name']}")
+            return out
+        return await self._alter(req, apply)
+
+    async def _alter(self, req: dict[str, Any], apply: Any) -> dict[str, Any]:
+        out = []
+        for res in req["resources"]:
+            r = {"error_code": 0, "error_message": None, "resource_type": res["resource_type"],
+                 "resource_name": res["resource_name"]}
+            out.append(r)
+            if res["resource_type"] != RESOURCE_TOPIC:
+                r["error_code"] = ErrorCode.INVALID_REQUEST
+                r["error_message"] = "only topic configs can be altered; broker settings are static"
+                continue
+            meta = await self.broker.topic(res["resource_name"])
+            if meta is None:
+                r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+                continue
+            try:
+                new = apply(meta.config, res["configs"])
+            except LogError as exc:
+                r["error_code"], r["error_message"] = exc.code, str(exc)
+                continue
+            err = topic_config.validate(new)
+            if err:
+                r["error_code"], r["error_message"] = ErrorCode.INVALID_CONFIG, err
+            elif not req["validate_only"]:
+                await self.broker.apply_topic_meta(await self.broker.meta.update_topic(meta.name, config=new))
+        return {"throttle_time_ms": 0, "responses": out}
+
+    # ------------------------------------------------------------ the rest
+    async def offset_for_leader_epoch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        """Every batch is written with leader epoch 0, so epoch 0 ends at the
+        high watermark; a client on a newer epoch is ahead of us."""
+        topics = []
+        for t in req["topics"]:
+            meta = await self.broker.topic(t["topic"])
+            parts = []
+            for p in t["partitions"]:
+                r = {"error_code": 0, "partition": p["partition"], "leader_epoch": -1, "end_offset": -1}
+                parts.append(r)
+                if meta is None or not 0 <= p["partition"] < meta.partitions:
+                    r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+                    continue
+                if p["current_leader_epoch"] > 0:
+                    r["error_code"] = ErrorCode.UNKNOWN_LEADER_EPOCH
+                    continue
+                try:
+                    lg = await self.broker.partition_log(meta.name, p["partition"])
+                except LogError as exc:
+                    r["error_code"] = exc.code
+                    continue
+                if p["leader_epoch"] >= 0:
+                    r["leader_epoch"], r["end_offset"] = 0, lg.hw
+            topics.append({"topic": t["topic"], "partitions": parts})
+        return {"throttle_time_ms": 0, "topics": topics}
+
+    async def describe_cluster(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        brokers = await self.broker.meta.list_brokers()
+        return {"throttle_time_ms": 0, "error_code": 0, "cluster_id": self.broker.cfg.cluster,
+                "controller_id": self.broker.cfg.node_id,
+                "brokers": [{"broker_id": b, "host": h, "port": p, "rack": None} for b, h, p in brokers]}

@@ -1,0 +1,85 @@
+"""The topic configurations KafScale accepts, their defaults and validation.
+
+Anything else (or a value KafScale cannot honour, such as compaction) is
+refused with INVALID_CONFIG rather than silently stored."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kafscale.config import Config
+
+# DescribeConfigs config_type values
+BOOLEAN, STRING, INT, SHORT, LONG, DOUBLE, LIST = 1, 2, 3, 4, 5, 6, 7
+
+WEEK_MS = 7 * 24 * 3600 * 1000
+
+
+def _int_at_least(lo: int) -> Callable[[str], str | None]:
+    def check(v: str) -> str | None:
+        try:
+            return None if int(v) >= lo else f"must be >= {lo}"
+        except ValueError:
+            return "must be an integer"
+    return check
+
+
+def _one_of(*allowed: str) -> Callable[[str], str | None]:
+    def check(v: str) -> str | None:
+        return None if v in allowed else f"supported values: {', '.join(allowed)}"
+    return check
+
+
+@dataclass(frozen=True)
+class ConfigDef:
+    name: str
+    type: int
+    default: Callable[[Config], str]
+    check: Callable[[str], str | None]
+    doc: str
+
+
+TOPIC_CONFIGS: dict[str, ConfigDef] = {d.name: d for d in (
+    ConfigDef("retention.ms", LONG, lambda c: str(WEEK_MS), _int_at_least(-1),
+              "delete segments whose newest record is older than this (-1: keep forever)"),
+    ConfigDef("retention.bytes", LONG, lambda c: "-1", _int_at_least(-1),
+              "delete the oldest segments while a partition holds more than this (-1: no limit)"),
+    ConfigDef("segment.bytes", INT, lambda c: str(c.segment_bytes), _int_at_least(1024),
+              "largest segment object a flush builds"),
+    ConfigDef("max.message.bytes", INT, lambda c: str(c.max_message_bytes), _int_at_least(0),
+              "largest record batch accepted"),
+    ConfigDef("segment.ms", LONG, lambda c: str(WEEK_MS), _int_at_least(1),
+              "accepted for compatibility; segments are flushed on linger_ms"),
+    ConfigDef("cleanup.policy", LIST, lambda c: "delete", _one_of("delete"),
+              "only delete: compaction is not supported"),
+    ConfigDef("message.timestamp.type", STRING, lambda c: "CreateTime", _one_of("CreateTime"),
+              "producers' timestamps are kept (CreateTime)"),
+    ConfigDef("min.insync.replicas", INT, lambda c: "1", _int_at_least(1),
+              "accepted for compatibility; S3 provides the durability"),
+    ConfigDef("compression.type", STRING, lambda c: "producer", _one_of("producer"),
+              "batches are stored as the producer compressed them"),
+)}
+
+
+def validate(configs: dict[str, str | None]) -> str | None:
+    """An error message for the first unacceptable config, else None."""
+    for name, value in configs.items():
+        d = TOPIC_CONFIGS.get(name)
+        if d is None:
+            return f"unsupported topic config {name!r}"
+        if value is None:
+            return f"{name} needs a value"
+        err = d.check(value)
+        if err:
+            return f"{name}={value!r}: {err}"
+    return None
+
+
+def effective(configs: dict[str, str], cfg: Config) -> dict[str, tuple[str, bool]]:
+    """Every topic config with its value and whether that is the default."""
+    return {name: (configs[name], False) if name in configs else (d.default(cfg), True)
+            for name, d in TOPIC_CONFIGS.items()}
+
+
+def value(configs: dict[str, str], name: str, cfg: Config) -> int:
+    return int(configs.get(name) or TOPIC_CONFIGS[name].default(cfg))

@@ -1,0 +1,98 @@
+"""Admin APIs through confluent-kafka's AdminClient and kafka-python's admin client."""
+from __future__ import annotations
+
+import pytest
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewPartitions,
+)
+
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.schemas import OFFSET_FOR_LEADER_EPOCH
+from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
+from tests.integration.rawclient import RawClient
+
+
+def topic_configs(admin: AdminClient, topic: str) -> dict[str, ConfigEntry]:
+    res = ConfigResource(ConfigResource.Type.TOPIC, topic)
+    return admin.describe_configs([res])[res].result(10)
+
+
+def test_create_partitions(broker, topic_name):
+    create_topic(broker.bootstrap, topic_name, partitions=2)
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    admin.create_partitions([NewPartitions(topic_name, 5)])[topic_name].result(10)
+    assert len(admin.list_topics(timeout=10).topics[topic_name].partitions) == 5
+    assert confluent_produce(broker.bootstrap, topic_name, [Rec(b"k", b"in p4")], partition=4) == [0]
+    assert [r.value for _, r in confluent_consume(broker.bootstrap, topic_name, 1, partition=4)] == [b"in p4"]
+    with pytest.raises(KafkaException) as exc:
+        admin.create_partitions([NewPartitions(topic_name, 3)])[topic_name].result(10)
+    assert exc.value.args[0].code() == ErrorCode.INVALID_PARTITIONS
+
+
+def test_describe_and_alter_configs(broker, topic_name):
+    create_topic(broker.bootstrap, topic_name, config={"retention.ms": "3600000"})
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    cfg = topic_configs(admin, topic_name)
+    assert cfg["retention.ms"].value == "3600000" and not cfg["retention.ms"].is_default
+    assert cfg["retention.bytes"].value == "-1" and cfg["retention.bytes"].is_default
+    assert cfg["cleanup.policy"].value == "delete"
+
+    res = ConfigResource(ConfigResource.Type.TOPIC, topic_name, incremental_configs=[
+        ConfigEntry("retention.bytes", "1048576", incremental_operation=AlterConfigOpType.SET),
+        ConfigEntry("retention.ms", None, incremental_operation=AlterConfigOpType.DELETE)])
+    admin.incremental_alter_configs([res])[res].result(10)
+    cfg = topic_configs(admin, topic_name)
+    assert cfg["retention.bytes"].value == "1048576" and cfg["retention.ms"].is_default
+
+    for bad in (ConfigEntry("cleanup.policy", "compact", incremental_operation=AlterConfigOpType.SET),
+                ConfigEntry("retention.ms", "soon", incremental_operation=AlterConfigOpType.SET),
+                ConfigEntry("no.such.config", "1", incremental_operation=AlterConfigOpType.SET)):
+        res = ConfigResource(ConfigResource.Type.TOPIC, topic_name, incremental_configs=[bad])
+        with pytest.raises(KafkaException) as exc:
+            admin.incremental_alter_configs([res])[res].result(10)
+        assert exc.value.args[0].code() == ErrorCode.INVALID_CONFIG, bad.name
+    assert topic_configs(admin, topic_name)["retention.bytes"].value == "1048576"  # unchanged by failures
+
+    # max.message.bytes is enforced per topic
+    res = ConfigResource(ConfigResource.Type.TOPIC, topic_name, incremental_configs=[
+        ConfigEntry("max.message.bytes", "2000", incremental_operation=AlterConfigOpType.SET)])
+    admin.incremental_alter_configs([res])[res].result(10)
+    with pytest.raises(AssertionError, match="MSG_SIZE_TOO_LARGE"):
+        confluent_produce(broker.bootstrap, topic_name, [Rec(b"k", b"x" * 5000)], retries=0)
+
+    broker_res = ConfigResource(ConfigResource.Type.BROKER, "1")
+    bcfg = admin.describe_configs([broker_res])[broker_res].result(10)
+    assert bcfg["auto.create.topics.enable"].is_read_only
+
+
+def test_kafka_python_admin_and_describe_cluster(broker, topic_name):
+    from kafka.admin import ConfigResource as KConfigResource
+    from kafka.admin import ConfigResourceType, KafkaAdminClient, NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    admin.create_topics([NewTopic(topic_name, 3, 1, topic_configs={"retention.ms": "1000000"})])
+    desc = admin.describe_configs([KConfigResource(ConfigResourceType.TOPIC, topic_name)])
+    assert "1000000" in repr(desc)
+    admin.alter_configs([KConfigResource(ConfigResourceType.TOPIC, topic_name, configs={"retention.ms": "5000"})])
+    assert "5000" in repr(admin.describe_configs([KConfigResource(ConfigResourceType.TOPIC, topic_name)]))
+    cluster = admin.describe_cluster()
+    assert cluster["cluster_id"] and [b["broker_id"] for b in cluster["brokers"]] == [1]
+    admin.close()
+
+
+def test_offset_for_leader_epoch(broker, topic_name):
+    create_topic(broker.bootstrap, topic_name)
+    confluent_produce(broker.bootstrap, topic_name, [Rec(b"k", b"v")] * 3)
+    c = RawClient(broker.bootstrap)
+    body = {"replica_id": -1, "topics": [{"topic": topic_name, "partitions": [
+        {"partition": 0, "current_leader_epoch": 0, "leader_epoch": 0},
+        {"partition": 7, "current_leader_epoch": 0, "leader_epoch": 0}]}]}
+    parts = c.request(OFFSET_FOR_LEADER_EPOCH.key, 4, body)["topics"][0]["partitions"]
+    assert (parts[0]["error_code"], parts[0]["leader_epoch"], parts[0]["end_offset"]) == (0, 0, 3)
+    assert parts[1]["error_code"] == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+    c.close()
