@@ -35,6 +35,7 @@ class Config:
     cache_bytes: int = _opt(256 * 1024 * 1024, "in-memory cache of recent segments for Fetch")
     max_request_bytes: int = _opt(100 * 1024 * 1024, "largest request frame accepted")
     max_message_bytes: int = _opt(1024 * 1024 + 1024, "largest record batch accepted (max.message.bytes)")
+    retention_check_ms: int = _opt(60_000, "how often partitions are checked against retention.ms/bytes")
     group_initial_rebalance_delay_ms: int = _opt(500, "how long a new group waits for more members to join")
     validate_compressed: bool = _opt(True, "decompress compressed batches on produce to validate their records")
     log_level: str = _opt("INFO", "logging level")

@@ -48,6 +48,7 @@ class Broker:
         self._opening: dict[tuple[str, int], asyncio.Future[PartitionLog]] = {}
         self.topics: dict[str, TopicMeta] = {}
         self._commit_event = asyncio.Event()
+        self._retention: asyncio.Task[None] | None = None
         self.handlers: dict[int, Handler] = {
             schemas.API_VERSIONS.key: self.api_versions,
             schemas.METADATA.key: self.metadata,
@@ -64,6 +65,30 @@ class Broker:
 
     async def start(self) -> None:
         await self.groups.start()
+        self._retention = asyncio.create_task(self._retention_loop(), name="retention")
+
+    async def _retention_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.retention_check_ms / 1000)
+            try:
+                await self.enforce_retention()
+            except Exception as exc:
+                log.warning("retention pass failed: %r", exc)
+
+    async def enforce_retention(self) -> int:
+        """Apply every topic's retention.ms / retention.bytes to its partitions."""
+        removed = 0
+        now_ms = int(time.time() * 1000)
+        for meta in await self.meta.list_topics():
+            self.topics[meta.name] = meta
+            ms = topic_config.value(meta.config, "retention.ms", self.cfg)
+            size = topic_config.value(meta.config, "retention.bytes", self.cfg)
+            if ms < 0 and size < 0:
+                continue
+            for p in range(meta.partitions):
+                lg = await self.partition_log(meta.name, p)
+                removed += await lg.apply_retention(ms, size, now_ms)
+        return removed
 
     def _coordinator_address(self) -> tuple[int, str, int]:
         host, port = self.cfg.advertised_addr()
@@ -71,6 +96,8 @@ class Broker:
 
     async def close(self, drain_s: float = 10) -> None:
         """Flush what producers are waiting on (up to drain_s), then stop."""
+        if self._retention is not None:
+            self._retention.cancel()
         await self.groups.close()
         await asyncio.gather(*(lg.close(drain_s=drain_s) for lg in self.logs.values()))
         self.logs.clear()

@@ -82,6 +82,7 @@ class PartitionLog:
         self._pending_bytes = 0
         self._first_pending_at = 0.0
         self._wake = asyncio.Event()
+        self._commit_lock = asyncio.Lock()  # flush commits and retention both move the partition key
         self._idle = asyncio.Event()  # set while nothing is queued or being flushed
         self._idle.set()
         self._flusher: asyncio.Task[None] | None = None
@@ -219,8 +220,12 @@ class PartitionLog:
         while True:
             try:
                 await self._upload(key, seg.data, seg.index)
-                new_state = PartitionState(self.cfg.node_id, self.epoch, seg.last_offset + 1, self.log_start)
-                self._state_raw = await self._commit(new_state, manifest)
+                async with self._commit_lock:
+                    new_state = PartitionState(self.cfg.node_id, self.epoch, seg.last_offset + 1, self.log_start)
+                    self._state_raw = await self._commit(new_state, manifest)
+                    self.segments.append(manifest)
+                    self._bases.append(manifest.base)
+                    self.hw = seg.last_offset + 1
                 break
             except Fenced:
                 raise
@@ -230,9 +235,6 @@ class PartitionLog:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         self.cache.put(key, CachedSegment.from_built(seg))
-        self.segments.append(manifest)
-        self._bases.append(manifest.base)
-        self.hw = seg.last_offset + 1
         for p in items:
             if p.future is not None and not p.future.done():
                 p.future.set_result(p.base)
@@ -261,6 +263,41 @@ class PartitionLog:
                 return cur[1]  # an earlier attempt whose reply was lost did commit
             raise
 
+    # ------------------------------------------------------------- retention
+    async def apply_retention(self, retention_ms: int, retention_bytes: int, now_ms: int) -> int:
+        """Delete the oldest segments whose newest record is older than
+        retention_ms, or while the partition holds more than retention_bytes
+        (-1 disables either). The log start offset moves in etcd first, then the
+        objects are deleted. Returns how many segments went."""
+        async with self._commit_lock:
+            total = sum(m.size for m in self.segments)
+            drop: list[SegmentManifest] = []
+            for m in self.segments:
+                expired = retention_ms >= 0 and m.max_ts < now_ms - retention_ms
+                if not (expired or (retention_bytes >= 0 and total > retention_bytes)):
+                    break
+                drop.append(m)
+                total -= m.size
+            if not drop:
+                return 0
+            new_start = drop[-1].last + 1
+            new_state = PartitionState(self.cfg.node_id, self.epoch, self.hw, new_start)
+            self._state_raw = await self.meta.set_log_start(self.topic, self.partition, self._state_raw, new_state,
+                                                            [m.base for m in drop])
+            self.log_start = new_start
+            self.segments = self.segments[len(drop):]
+            self._bases = self._bases[len(drop):]
+        for m in drop:
+            self.cache.drop_prefix(m.key)
+            self._indexes.pop(m.key, None)
+            try:
+                await asyncio.gather(self.store.delete(m.key), self.store.delete(index_key(m.key)))
+            except Exception as exc:  # no manifest points at it any more: only garbage is left
+                log.warning("could not delete %s: %r", m.key, exc)
+        log.info("%s/%d: retention removed %d segments; log start offset now %d", self.topic, self.partition,
+                 len(drop), new_start)
+        return len(drop)
+
     # ------------------------------------------------------------------ read
     async def read(self, offset: int, max_bytes: int) -> list[memoryview | bytes]:
         """Committed batches from the one holding `offset`, across segments,
@@ -279,7 +316,12 @@ class PartitionLog:
             if offset > m.last:
                 i += 1
                 continue
-            chunk, to_end = await self._read_segment(m, offset, max_bytes - size)
+            try:
+                chunk, to_end = await self._read_segment(m, offset, max_bytes - size)
+            except Exception:
+                if offset < self.log_start:  # removed by retention while we read it
+                    raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} was deleted") from None
+                raise
             if out and size + len(chunk) > max_bytes:
                 break
             out.append(chunk)

@@ -1,0 +1,73 @@
+"""Retention: old segments leave S3 and etcd, the log start offset moves, and
+consumers below it get OFFSET_OUT_OF_RANGE and follow auto.offset.reset."""
+from __future__ import annotations
+
+import time
+
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from kafscale.protocol.errors import ErrorCode
+from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
+from tests.integration.rawclient import RawClient
+from tests.integration.test_topics_offsets import etcd_keys, fetch_raw, s3_keys
+
+
+def produce_segments(bootstrap: str, topic: str, n: int, size: int = 10_000, ts: int | None = None) -> None:
+    """n separate flushes (one segment each)."""
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
+    for i in range(n):
+        p.produce(topic, value=bytes([i % 256]) * size, key=b"%d" % i, partition=0,
+                  timestamp=ts or 0)
+        assert p.flush(10) == 0
+
+
+def wait_for_log_start(bootstrap: str, topic: str, at_least: int, timeout: float = 30) -> int:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "retention-probe"})
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            lo, _ = c.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+            if lo >= at_least:
+                return lo
+            time.sleep(0.2)
+    finally:
+        c.close()
+    raise AssertionError(f"log start offset did not reach {at_least}")
+
+
+def test_retention_bytes(make_broker, topic_name, stack):
+    b = make_broker(retention_check_ms=300)
+    create_topic(b.bootstrap, topic_name, config={"retention.bytes": "35000"})
+    produce_segments(b.bootstrap, topic_name, 10)  # ~10 KiB each
+    lo = wait_for_log_start(b.bootstrap, topic_name, 6)
+    assert lo <= 7  # about 35 KB (3 segments) is kept
+    kept = [k for k in s3_keys(stack, f"{b.cluster}/{topic_name}/0/") if k.endswith(".kfs")]
+    assert len(kept) == 10 - lo
+    manifests = [k for k in etcd_keys(stack, f"/kafscale/{b.cluster}/segments/{topic_name}/0/")]
+    assert len(manifests) == 10 - lo
+    # below the log start: OFFSET_OUT_OF_RANGE; a consumer with auto.offset.reset=earliest lands on lo
+    c = RawClient(b.bootstrap)
+    assert fetch_raw(c, topic_name, 0, 0)["error_code"] == ErrorCode.OFFSET_OUT_OF_RANGE
+    assert fetch_raw(c, topic_name, 0, 0)["log_start_offset"] == lo
+    c.close()
+    consumer = Consumer({"bootstrap.servers": b.bootstrap, "group.id": f"g-{topic_name}",
+                         "auto.offset.reset": "earliest"})
+    consumer.assign([TopicPartition(topic_name, 0, 0)])  # explicitly below the log start
+    got = []
+    deadline = time.monotonic() + 30
+    while len(got) < 10 - lo and time.monotonic() < deadline:
+        m = consumer.poll(0.5)
+        if m is not None and m.error() is None:
+            got.append(m.offset())
+    consumer.close()
+    assert got == list(range(lo, 10))
+
+
+def test_retention_ms(make_broker, topic_name):
+    b = make_broker(retention_check_ms=300)
+    create_topic(b.bootstrap, topic_name, config={"retention.ms": "3600000"})
+    two_hours_ago = int(time.time() * 1000) - 2 * 3600 * 1000
+    produce_segments(b.bootstrap, topic_name, 3, size=100, ts=two_hours_ago)
+    confluent_produce(b.bootstrap, topic_name, [Rec(b"fresh", b"stays")])
+    assert wait_for_log_start(b.bootstrap, topic_name, 3) == 3
+    assert confluent_consume(b.bootstrap, topic_name, 1, start=3) == [(3, Rec(b"fresh", b"stays"))]
