@@ -1,4 +1,4 @@
-"""`kafscale` command line: broker, dev, segments."""
+"""`kafscale` command line: broker, dev, segments, topics, groups."""
 from __future__ import annotations
 
 import argparse
@@ -119,6 +119,25 @@ def cmd_segments(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kafka_command(fn: Any) -> Any:
+    """Wrap an async tool taking (client, args) as a sub-command function."""
+    from kafscale.client import KafkaClient, KafkaError
+
+    async def go(args: argparse.Namespace) -> None:
+        async with KafkaClient(args.bootstrap) as client:
+            await fn(client, args)
+
+    def command(args: argparse.Namespace) -> int:
+        try:
+            asyncio.run(go(args))
+        except (KafkaError, OSError) as exc:
+            print(f"kafscale {args.command}: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kafscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", help="segment object key (dump), as printed by ls")
     config_mod.add_arguments(p)
     p.set_defaults(func=cmd_segments)
+
+    from kafscale.tools import add_parsers
+    add_parsers(sub, _kafka_command)
     return parser
 
 
