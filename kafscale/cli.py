@@ -121,7 +121,8 @@ def cmd_segments(args: argparse.Namespace) -> int:
 
 def _kafka_command(fn: Any) -> Any:
     """Wrap an async tool taking (client, args) as a sub-command function."""
-    from kafscale.client import KafkaClient, KafkaError
+    from kafscale.client import KafkaClient
+    from kafscale.protocol.errors import KafkaError
 
     async def go(args: argparse.Namespace) -> None:
         async with KafkaClient(args.bootstrap) as client:

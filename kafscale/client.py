@@ -7,7 +7,7 @@ import struct
 from typing import Any
 
 from kafscale.protocol.codec import Message, parse_schema
-from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.errors import ErrorCode, KafkaError
 from kafscale.protocol.framing import decode_response, encode_request
 from kafscale.protocol.schemas import APIS
 
@@ -20,12 +20,6 @@ assigned_partitions: [
 ]
 user_data: bytes ?
 """), flexible_min=0x7FFF)
-
-
-class KafkaError(Exception):
-    def __init__(self, code: int, what: str) -> None:
-        super().__init__(f"{what}: {ErrorCode(code).name}")
-        self.code = code
 
 
 class KafkaClient:

@@ -6,8 +6,9 @@ import argparse
 from datetime import datetime
 from typing import Any
 
-from kafscale.client import KafkaClient, KafkaError, decode_assignment
+from kafscale.client import KafkaClient, decode_assignment
 from kafscale.protocol import schemas
+from kafscale.protocol.errors import KafkaError
 
 TOPIC_RESOURCE = 2
 OP_SET, OP_DELETE = 0, 1
@@ -61,7 +62,7 @@ async def topics_alter(c: KafkaClient, args: argparse.Namespace) -> None:
             "validate_only": False})
         r = resp["results"][0]
         if r["error_code"]:
-            raise KafkaError(r["error_code"], r["error_message"] or "create partitions")
+            raise KafkaError(r["error_code"], r["error_message"])
     ops = [{"name": k, "config_operation": OP_SET, "value": v} for k, _, v in (s.partition("=") for s in args.config)]
     ops += [{"name": k, "config_operation": OP_DELETE, "value": None} for k in args.delete_config]
     if ops:
@@ -69,7 +70,7 @@ async def topics_alter(c: KafkaClient, args: argparse.Namespace) -> None:
             {"resource_type": TOPIC_RESOURCE, "resource_name": args.topic, "configs": ops}], "validate_only": False})
         r = resp["responses"][0]
         if r["error_code"]:
-            raise KafkaError(r["error_code"], r["error_message"] or "alter configs")
+            raise KafkaError(r["error_code"], r["error_message"])
     print(f"altered {args.topic}")
 
 

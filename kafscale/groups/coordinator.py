@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kafscale.metadata.store import MetaStore
-from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.errors import ErrorCode, KafkaError
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,8 @@ MIN_SESSION_MS, MAX_SESSION_MS = 1000, 1_800_000
 MAX_OFFSET_METADATA = 4096
 
 
-class GroupError(Exception):
-    def __init__(self, code: ErrorCode, message: str = "") -> None:
-        super().__init__(message or code.name)
-        self.code = code
+class GroupError(KafkaError):
+    """A group-protocol error (unknown member, illegal generation, ...)."""
 
 
 @dataclass

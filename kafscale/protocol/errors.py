@@ -51,3 +51,11 @@ class ErrorCode(IntEnum):
     UNKNOWN_TOPIC_ID = 100
     INVALID_RECORD = 87
     TRANSACTIONAL_ID_AUTHORIZATION_FAILED = 53
+
+
+class KafkaError(Exception):
+    """An error that reaches the client as a Kafka error code."""
+
+    def __init__(self, code: int, message: str | None = None) -> None:
+        self.code = ErrorCode(code)
+        super().__init__(f"{self.code.name}: {message}" if message else self.code.name)

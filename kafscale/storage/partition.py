@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from kafscale import _native
 from kafscale.config import Config
 from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest
-from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.errors import ErrorCode, KafkaError
 from kafscale.storage.cache import CachedSegment, SegmentCache
 from kafscale.storage.objectstore import ObjectExists, ObjectStore
 from kafscale.storage.segment import (
@@ -36,10 +36,8 @@ from kafscale.storage.segment import (
 log = logging.getLogger(__name__)
 
 
-class LogError(Exception):
-    def __init__(self, code: ErrorCode, message: str = "") -> None:
-        super().__init__(message or code.name)
-        self.code = code
+class LogError(KafkaError):
+    """A partition-log error (offset out of range, fenced, closed, ...)."""
 
 
 @dataclass
