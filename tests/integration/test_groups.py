@@ -304,3 +304,41 @@ def test_group_error_codes(broker, topic_name):
     assert heartbeat(mid, gen) == E.UNKNOWN_MEMBER_ID
     assert delete(group) == 0
     c.close()
+
+
+def test_several_kcat_members_share_the_topic(broker, topic_name):
+    create_topic(broker.bootstrap, topic_name, partitions=PARTITIONS)
+    produced = produce_spread(broker.bootstrap, topic_name, 800)
+    group = f"g-{topic_name}"
+    procs = [subprocess.Popen(["kcat", "-b", broker.bootstrap, "-G", group, topic_name, "-o", "beginning", "-e",
+                               "-q", "-f", "%p %o\n"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=90)[0].decode() for p in procs]
+    rows = [tuple(map(int, line.split())) for out in outs for line in out.splitlines() if line]
+    assert set(rows) == produced
+    assert all(out.strip() for out in outs), "both members got partitions"
+
+
+def test_live_group_survives_broker_sigkill(make_broker, topic_name, tmp_path):
+    """The group's generation and members are in etcd: after a broker restart a
+    running member carries on with the same member id, without rejoining."""
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name, partitions=PARTITIONS)
+    first = produce_spread(b.bootstrap, topic_name, 200)
+    group = f"g-{topic_name}"
+    m = Member("confluent", b.bootstrap, group, topic_name, tmp_path / "m.txt")
+    try:
+        wait_for(lambda: set(m.processed()) >= first, 60, "the first records")
+        admin = AdminClient({"bootstrap.servers": b.bootstrap})
+        before = admin.describe_consumer_groups([group])[group].result(10)
+        b.kill()
+        b.start()
+        later = produce_spread(b.bootstrap, topic_name, 200)
+        wait_for(lambda: set(m.processed()) >= first | later, 60, "records produced after the restart")
+        admin = AdminClient({"bootstrap.servers": b.bootstrap})
+        after = admin.describe_consumer_groups([group])[group].result(10)
+        assert [x.member_id for x in after.members] == [x.member_id for x in before.members]
+        since_restart = b.log().split("Kafka listener on")[-1]
+        assert "joined" not in since_restart and "preparing rebalance" not in since_restart
+    finally:
+        m.stop()
