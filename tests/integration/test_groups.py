@@ -78,7 +78,7 @@ def test_rebalance_and_crash_skip_nothing(broker, topic_name, tmp_path, lib):
     """Members join and one is SIGKILLed mid-stream; with commits after processing
     every record is processed at least once (count and compare)."""
     create_topic(broker.bootstrap, topic_name, partitions=PARTITIONS)
-    produced = produce_spread(broker.bootstrap, topic_name, 2000)
+    produced = produce_spread(broker.bootstrap, topic_name, 1000)
     group = f"g-{topic_name}"
     members = [Member(lib, broker.bootstrap, group, topic_name, tmp_path / "m0.txt")]
 
@@ -89,9 +89,11 @@ def test_rebalance_and_crash_skip_nothing(broker, topic_name, tmp_path, lib):
         wait_for(lambda: len(seen()) >= 200, 60, "the first member to consume")
         members.append(Member(lib, broker.bootstrap, group, topic_name, tmp_path / "m1.txt"))
         members.append(Member(lib, broker.bootstrap, group, topic_name, tmp_path / "m2.txt"))
+        produced |= produce_spread(broker.bootstrap, topic_name, 1000)  # work for whoever owns what now
         wait_for(lambda: len(members[1].processed()) > 0 or len(members[2].processed()) > 0, 60,
                  "the rebalance to give work to new members")
         members[0].kill()  # crash: no LeaveGroup, no final commit
+        produced |= produce_spread(broker.bootstrap, topic_name, 1000)
         wait_for(lambda: set(seen()) >= produced, 120, "every record to be processed")
     finally:
         for m in members:
