@@ -115,6 +115,9 @@ class ObjectStore:
         async with r["Body"] as body:
             return await body.read()
 
+    async def size(self, key: str) -> int:
+        return (await self._client.head_object(Bucket=self.bucket, Key=key))["ContentLength"]
+
     async def list(self, prefix: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         paginator = self._client.get_paginator("list_objects_v2")

@@ -211,7 +211,7 @@ class PartitionLog:
 
     async def _flush(self, items: list[_Pending]) -> None:
         seg = build_segment([(p.payload, p.base) for p in items], int(time.time() * 1000))
-        key = segment_key(self.cfg.namespace, self.topic, self.partition, seg.base_offset)
+        key = segment_key(self.cfg.namespace, self.topic, self.partition, seg.base_offset, self.epoch)
         manifest = SegmentManifest(seg.base_offset, seg.last_offset, seg.count, len(seg.data), seg.min_timestamp,
                                    seg.max_timestamp, key, int(time.time() * 1000))
         delay = 0.05
@@ -239,18 +239,15 @@ class PartitionLog:
         self._on_commit()
 
     async def _upload(self, key: str, data: bytearray, index: bytes) -> None:
-        try:
-            await asyncio.gather(self.store.put(key, data), self.store.put(index_key(key), index))
-        except ObjectExists:
-            # Left by an owner that crashed between upload and commit (or by our own
-            # earlier attempt). The watermark has not reached this base, so the
-            # object holds nothing acknowledged: verify that in etcd, replace it.
-            cur = await self.meta.get_partition(self.topic, self.partition)
-            if cur is None or cur[1] != self._state_raw:
-                raise Fenced(f"{self.topic}/{self.partition}") from None
-            log.info("replacing uncommitted leftover %s", key)
-            await asyncio.gather(self.store.delete(key), self.store.delete(index_key(key)))
-            await asyncio.gather(self.store.put(key, data), self.store.put(index_key(key), index))
+        """Write both objects once. The key carries our epoch, which only this
+        process holds, so an existing object is our own earlier attempt at this
+        very segment (same bytes) whose reply was lost."""
+        for k, body in ((key, data), (index_key(key), index)):
+            try:
+                await self.store.put(k, body)
+            except ObjectExists:
+                if await self.store.size(k) != len(body):
+                    raise Fenced(f"{k} exists with other content: another writer holds epoch {self.epoch}") from None
 
     async def _commit(self, new_state: PartitionState, manifest: SegmentManifest) -> bytes:
         try:

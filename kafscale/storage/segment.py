@@ -37,8 +37,10 @@ class SegmentFormatError(ValueError):
     pass
 
 
-def segment_key(namespace: str, topic: str, partition: int, base_offset: int) -> str:
-    return f"{namespace}/{topic}/{partition}/segment-{base_offset:020d}.kfs"
+def segment_key(namespace: str, topic: str, partition: int, base_offset: int, epoch: int) -> str:
+    """Object key of a segment. The owner epoch in the name means two owners of
+    a partition (an old one fenced by a new one) never write the same key."""
+    return f"{namespace}/{topic}/{partition}/segment-{base_offset:020d}-{epoch:010d}.kfs"
 
 
 def index_key(segment: str) -> str:

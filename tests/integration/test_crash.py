@@ -60,9 +60,10 @@ def test_sigkill_after_acks_loses_nothing(make_broker, topic_name):
     assert sorted(got) == list(range(len(got)))
 
 
-def test_leftover_uncommitted_segment_is_replaced(make_broker, topic_name, stack):
+def test_leftover_of_a_crashed_owner_is_ignored(make_broker, topic_name, stack):
     """A crash between S3 upload and etcd commit leaves an object at the next
-    segment key; the next flush at that base must replace it, not fail."""
+    base offset under the dead owner's epoch; the next owner writes under its
+    own epoch, and readers follow the manifests in etcd."""
     import boto3
 
     from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
@@ -73,11 +74,15 @@ def test_leftover_uncommitted_segment_is_replaced(make_broker, topic_name, stack
     create_topic(b.bootstrap, topic_name)
     first = [Rec(b"k", f"a{i}".encode()) for i in range(10)]
     assert confluent_produce(b.bootstrap, topic_name, first) == list(range(10))
+    b.kill()
     s3 = boto3.client("s3", endpoint_url=stack.s3_endpoint, aws_access_key_id=DEV_ACCESS_KEY,
                       aws_secret_access_key=DEV_SECRET_KEY, region_name="us-east-1")
-    s3.put_object(Bucket=stack.bucket, Key=segment_key(b.cluster, topic_name, 0, 10), Body=b"uncommitted junk")
+    leftover = segment_key(b.cluster, topic_name, 0, 10, 1)  # epoch 1: the killed broker's
+    s3.put_object(Bucket=stack.bucket, Key=leftover, Body=b"uncommitted junk")
+    b.start()
     second = [Rec(b"k", f"b{i}".encode()) for i in range(10)]
     assert confluent_produce(b.bootstrap, topic_name, second) == list(range(10, 20))
     got = confluent_consume(b.bootstrap, topic_name, 20)
     assert [r for _, r in got] == first + second
-    assert "replacing uncommitted leftover" in b.log()
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=stack.bucket, Prefix=f"{b.cluster}/")["Contents"]]
+    assert leftover in keys and segment_key(b.cluster, topic_name, 0, 10, 2) in keys

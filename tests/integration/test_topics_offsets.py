@@ -198,7 +198,7 @@ def test_segments_cli(make_broker, topic_name):
                         env=env, capture_output=True, text=True, timeout=60)
     assert ls.returncode == 0, ls.stderr
     key = next(line.split()[-1] for line in ls.stdout.splitlines() if line.endswith(".kfs"))
-    assert key.endswith("segment-00000000000000000000.kfs")
+    assert key.endswith("segment-00000000000000000000-0000000001.kfs")
     dump = subprocess.run([sys.executable, "-m", "kafscale.cli", "segments", "dump", "--key", key],
                           env=env, capture_output=True, text=True, timeout=60)
     assert dump.returncode == 0, dump.stderr

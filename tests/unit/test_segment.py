@@ -22,9 +22,9 @@ def batches(n: int, per: int = 3, size: int = 100) -> list[bytes]:
 
 
 def test_keys():
-    k = segment_key("ns", "orders", 3, 42)
-    assert k == "ns/orders/3/segment-00000000000000000042.kfs"
-    assert index_key(k) == "ns/orders/3/segment-00000000000000000042.index"
+    k = segment_key("ns", "orders", 3, 42, 7)
+    assert k == "ns/orders/3/segment-00000000000000000042-0000000007.kfs"
+    assert index_key(k) == "ns/orders/3/segment-00000000000000000042-0000000007.index"
 
 
 def test_segment_bytes():
