@@ -20,12 +20,12 @@ def _setup_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _run_broker(cfg: config_mod.Config) -> int:
+def _run_broker(cfgs: list[config_mod.Config]) -> int:
     from kafscale.broker.node import StartupError, run_until_signal
 
-    _setup_logging(cfg.log_level)
+    _setup_logging(cfgs[0].log_level)
     try:
-        asyncio.run(run_until_signal(cfg))
+        asyncio.run(run_until_signal(cfgs))
     except StartupError as exc:
         print(f"kafscale: cannot start: {exc}", file=sys.stderr)
         return 2
@@ -33,14 +33,15 @@ def _run_broker(cfg: config_mod.Config) -> int:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
-    return _run_broker(config_mod.load(args))
+    return _run_broker([config_mod.load(args)])
 
 
 def cmd_dev(args: argparse.Namespace) -> int:
     from kafscale.devstack import DevStack, port_is_free
 
     _setup_logging("INFO")
-    for port, what in ((args.etcd_port, "etcd"), (args.s3_port, "S3"), (args.port, "Kafka")):
+    kafka_ports = [args.port + i for i in range(args.brokers)]
+    for port, what in ((args.etcd_port, "etcd"), (args.s3_port, "S3"), *((p, "Kafka") for p in kafka_ports)):
         if not port_is_free(port):
             print(f"kafscale dev: port {port} for {what} is in use", file=sys.stderr)
             return 2
@@ -50,12 +51,14 @@ def cmd_dev(args: argparse.Namespace) -> int:
     stack.start()
     try:
         env = stack.broker_env()
-        cfg = config_mod.load(args, etcd=env["KAFSCALE_ETCD"], s3_endpoint=env["KAFSCALE_S3_ENDPOINT"],
-                              bucket=env["KAFSCALE_BUCKET"], s3_access_key=env["KAFSCALE_S3_ACCESS_KEY"],
-                              s3_secret_key=env["KAFSCALE_S3_SECRET_KEY"], listen=f"127.0.0.1:{args.port}")
-        log.info("KafScale dev: bootstrap.servers=127.0.0.1:%d  etcd=%s  s3=%s bucket=%s  (Ctrl-C stops all)",
-                 args.port, stack.etcd_endpoint, stack.s3_endpoint, stack.bucket)
-        return _run_broker(cfg)
+        cfgs = [config_mod.load(args, etcd=env["KAFSCALE_ETCD"], s3_endpoint=env["KAFSCALE_S3_ENDPOINT"],
+                                bucket=env["KAFSCALE_BUCKET"], s3_access_key=env["KAFSCALE_S3_ACCESS_KEY"],
+                                s3_secret_key=env["KAFSCALE_S3_SECRET_KEY"], listen=f"127.0.0.1:{port}",
+                                node_id=i + 1) for i, port in enumerate(kafka_ports)]
+        log.info("KafScale dev: bootstrap.servers=%s  etcd=%s  s3=%s bucket=%s  (Ctrl-C stops all)",
+                 ",".join(f"127.0.0.1:{p}" for p in kafka_ports), stack.etcd_endpoint, stack.s3_endpoint,
+                 stack.bucket)
+        return _run_broker(cfgs)
     finally:
         stack.stop()
         log.info("dev stack stopped")
@@ -150,9 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dev", help="run etcd + SeaweedFS S3 + a broker on this machine")
     p.add_argument("--data-dir", help="keep etcd and S3 data here across restarts (default: temporary)")
     p.add_argument("--port", type=int, default=9092, help="Kafka port (default 9092)")
+    p.add_argument("--brokers", type=int, default=1, help="brokers to run, on --port, --port+1, ...")
     p.add_argument("--etcd-port", type=int, default=2379)
     p.add_argument("--s3-port", type=int, default=8333)
-    config_mod.add_arguments(p, skip=("etcd", "s3_endpoint", "bucket", "s3_access_key", "s3_secret_key", "listen"))
+    config_mod.add_arguments(p, skip=("etcd", "s3_endpoint", "bucket", "s3_access_key", "s3_secret_key", "listen",
+                                      "node_id", "advertised"))
     p.set_defaults(func=cmd_dev)
 
     p = sub.add_parser("segments", help="list or decode segments straight from S3")

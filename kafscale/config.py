@@ -35,6 +35,8 @@ class Config:
     cache_bytes: int = _opt(256 * 1024 * 1024, "in-memory cache of recent segments for Fetch")
     max_request_bytes: int = _opt(100 * 1024 * 1024, "largest request frame accepted")
     max_message_bytes: int = _opt(1024 * 1024 + 1024, "largest record batch accepted (max.message.bytes)")
+    lease_ttl_s: int = _opt(6, "etcd lease TTL: a dead broker's partitions move after about this long")
+    balance_interval_ms: int = _opt(2000, "how often a broker re-reads membership and hands partitions over")
     retention_check_ms: int = _opt(60_000, "how often partitions are checked against retention.ms/bytes")
     group_initial_rebalance_delay_ms: int = _opt(500, "how long a new group waits for more members to join")
     validate_compressed: bool = _opt(True, "decompress compressed batches on produce to validate their records")

@@ -68,6 +68,10 @@ class BrokerProcess:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -93,6 +97,22 @@ def make_broker(stack: DevStack, tmp_path: Path) -> Iterator:
         b = BrokerProcess(stack, tmp_path, f"t{uuid.uuid4().hex[:10]}", **config)
         made.append(b)
         return b.start()
+
+    yield make
+    for b in made:
+        b.stop()
+
+
+@pytest.fixture
+def make_cluster(stack: DevStack, tmp_path: Path) -> Iterator:
+    """Factory for n brokers (node ids 1..n) sharing one cluster namespace."""
+    made: list[BrokerProcess] = []
+
+    def make(n: int, **config: object) -> list[BrokerProcess]:
+        cluster = f"c{uuid.uuid4().hex[:10]}"
+        brokers = [BrokerProcess(stack, tmp_path, cluster, node_id=i + 1, **config) for i in range(n)]
+        made.extend(brokers)
+        return [b.start() for b in brokers]
 
     yield make
     for b in made:

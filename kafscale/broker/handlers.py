@@ -11,6 +11,7 @@ from typing import Any
 
 from kafscale import _native
 from kafscale.broker.admin import AdminApi
+from kafscale.broker.cluster import Cluster
 from kafscale.config import Config
 from kafscale.groups.api import GroupApi
 from kafscale.groups.coordinator import GroupCoordinator
@@ -49,6 +50,7 @@ class Broker:
         self.topics: dict[str, TopicMeta] = {}
         self._commit_event = asyncio.Event()
         self._retention: asyncio.Task[None] | None = None
+        self._balancer: asyncio.Task[None] | None = None
         self.handlers: dict[int, Handler] = {
             schemas.API_VERSIONS.key: self.api_versions,
             schemas.METADATA.key: self.metadata,
@@ -59,13 +61,48 @@ class Broker:
             schemas.DELETE_TOPICS.key: self.delete_topics,
             schemas.INIT_PRODUCER_ID.key: self.init_producer_id,
         }
+        self.cluster = Cluster(meta, cfg)
+        self.lease: Any = None  # our etcd lease: broker registration and partition ownership hang on it
         self.groups = GroupCoordinator(meta, cfg.group_initial_rebalance_delay_ms)
-        self.handlers.update(GroupApi(self.groups, self._coordinator_address, self.topic).handlers)
+        self.handlers.update(GroupApi(self.groups, self.cluster, self.topic).handlers)
         self.handlers.update(AdminApi(self).handlers)
 
-    async def start(self) -> None:
+    async def start(self, lease: Any) -> None:
+        self.lease = lease
+        await self.cluster.refresh()
         await self.groups.start()
         self._retention = asyncio.create_task(self._retention_loop(), name="retention")
+        self._balancer = asyncio.create_task(self._balance_loop(), name="balancer")
+
+    async def _balance_loop(self) -> None:
+        """Follow membership: hand partitions and groups to the broker that
+        should have them now (a broker joined), after flushing what is queued."""
+        while True:
+            await asyncio.sleep(self.cfg.balance_interval_ms / 1000)
+            try:
+                await self.cluster.refresh()
+                for (topic, p), lg in list(self.logs.items()):
+                    desired = self.cluster.desired_owner(topic, p)
+                    if desired != self.cfg.node_id:
+                        log.info("handing %s/%d over to broker %d", topic, p, desired)
+                        await self.release_partition(topic, p, lg)
+                await self.groups.evict(lambda g: self.cluster.coordinator_for(g) != self.cfg.node_id)
+            except Exception as exc:
+                log.warning("balancing pass failed: %r", exc)
+
+    async def release_partition(self, topic: str, p: int, lg: PartitionLog, drain_s: float = 10) -> None:
+        self.logs.pop((topic, p), None)
+        await lg.close(drain_s=drain_s)
+        await self.meta.release_owner(topic, p, self.cfg.node_id)
+
+    async def lease_lost(self, new_lease: Any) -> None:
+        """Our lease expired (we were paused or cut off): whatever we owned may
+        have a new owner already. Drop it all; commits would be fenced anyway."""
+        log.warning("etcd lease lost: dropping %d partitions and all groups", len(self.logs))
+        logs, self.logs = list(self.logs.values()), {}
+        await asyncio.gather(*(lg.close() for lg in logs))
+        await self.groups.evict(lambda g: True)
+        self.lease = new_lease
 
     async def _retention_loop(self) -> None:
         while True:
@@ -86,21 +123,20 @@ class Broker:
             if ms < 0 and size < 0:
                 continue
             for p in range(meta.partitions):
-                lg = await self.partition_log(meta.name, p)
-                removed += await lg.apply_retention(ms, size, now_ms)
+                if self.cluster.desired_owner(meta.name, p) == self.cfg.node_id:
+                    lg = await self.partition_log(meta.name, p)
+                    removed += await lg.apply_retention(ms, size, now_ms)
         return removed
 
-    def _coordinator_address(self) -> tuple[int, str, int]:
-        host, port = self.cfg.advertised_addr()
-        return self.cfg.node_id, host, port
-
     async def close(self, drain_s: float = 10) -> None:
-        """Flush what producers are waiting on (up to drain_s), then stop."""
-        if self._retention is not None:
-            self._retention.cancel()
+        """Flush what producers are waiting on (up to drain_s), release the
+        partitions so other brokers take over at once, then stop."""
+        for task in (self._retention, self._balancer):
+            if task is not None:
+                task.cancel()
         await self.groups.close()
-        await asyncio.gather(*(lg.close(drain_s=drain_s) for lg in self.logs.values()))
-        self.logs.clear()
+        await asyncio.gather(*(self.release_partition(t, p, lg, drain_s) for (t, p), lg in list(self.logs.items())),
+                             return_exceptions=True)
 
     # ----------------------------------------------------------- topics/logs
     async def topic(self, name: str, auto_create: bool = False) -> TopicMeta | None:
@@ -146,9 +182,15 @@ class Broker:
         pending = self._opening.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
+        desired = self.cluster.desired_owner(topic, p)
+        if desired != self.cfg.node_id:
+            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} belongs on broker {desired}")
         fut: asyncio.Future[PartitionLog] = asyncio.get_running_loop().create_future()
         self._opening[key] = fut
         try:
+            if not await self.meta.claim_owner(topic, p, self.cfg.node_id, self.lease):
+                owner = await self.meta.owner_of(topic, p)
+                raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} is still owned by broker {owner}")
             lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self._notify_commit)
             meta = self.topics.get(topic)
             if meta is not None:
@@ -157,6 +199,10 @@ class Broker:
             self.logs[key] = lg
             fut.set_result(lg)
             return lg
+        except LogError as exc:
+            fut.set_exception(exc)
+            fut.exception()
+            raise
         except Exception as exc:  # etcd unreachable or similar: clients retry on this code
             log.warning("cannot open %s/%d: %r", topic, p, exc)
             err = LogError(ErrorCode.LEADER_NOT_AVAILABLE, f"partition {topic}/{p} is not available: {exc}")
@@ -174,22 +220,26 @@ class Broker:
 
     # --------------------------------------------------------------- Metadata
     def _broker_list(self) -> list[dict[str, Any]]:
-        host, port = self.cfg.advertised_addr()
-        return [{"node_id": self.cfg.node_id, "host": host, "port": port, "rack": None}]
+        return [{"node_id": b, "host": h, "port": p, "rack": None}
+                for b, (h, p) in sorted(self.cluster.brokers.items())]
 
-    def _topic_metadata(self, meta: TopicMeta) -> dict[str, Any]:
-        nid = self.cfg.node_id
-        return {"error_code": 0, "name": meta.name, "topic_id": meta.id, "is_internal": False,
-                "partitions": [{"error_code": 0, "partition_index": p, "leader_id": nid, "leader_epoch": 0,
-                                "replica_nodes": [nid], "isr_nodes": [nid], "offline_replicas": []}
-                               for p in range(meta.partitions)]}
+    def _topic_metadata(self, meta: TopicMeta, owners: dict[tuple[str, int], int]) -> dict[str, Any]:
+        parts = []
+        for p in range(meta.partitions):
+            leader = owners.get((meta.name, p))
+            if leader not in self.cluster.brokers:  # unowned (or owner gone): where it will be claimed
+                leader = self.cluster.desired_owner(meta.name, p)
+            parts.append({"error_code": 0, "partition_index": p, "leader_id": leader, "leader_epoch": 0,
+                          "replica_nodes": [leader], "isr_nodes": [leader], "offline_replicas": []})
+        return {"error_code": 0, "name": meta.name, "topic_id": meta.id, "is_internal": False, "partitions": parts}
 
     async def metadata(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         wanted = req.get("topics")
+        owners = await self.meta.owners()
         if wanted is None or (hdr.api_version == 0 and not wanted):
             metas = await self.meta.list_topics()
             self.topics.update({m.name: m for m in metas})
-            topics = [self._topic_metadata(m) for m in sorted(metas, key=lambda m: m.name)]
+            topics = [self._topic_metadata(m, owners) for m in sorted(metas, key=lambda m: m.name)]
         else:
             topics = []
             auto = req.get("allow_auto_topic_creation", True)
@@ -203,7 +253,7 @@ class Broker:
                     topics.append({"error_code": err, "name": name, "topic_id": t.get("topic_id", bytes(16)),
                                    "partitions": []})
                 else:
-                    topics.append(self._topic_metadata(meta))
+                    topics.append(self._topic_metadata(meta, owners))
         return {"throttle_time_ms": 0, "brokers": self._broker_list(), "cluster_id": self.cfg.cluster,
                 "controller_id": self.cfg.node_id, "topics": topics}
 

@@ -3,6 +3,7 @@ message if either is unusable), then serve Kafka until stopped."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 
@@ -42,40 +43,60 @@ class BrokerNode:
             raise StartupError(f"S3 bucket {self.cfg.bucket!r} at {self.cfg.s3_endpoint or 'AWS'} is not "
                                f"writable: {exc!r}") from exc
         self.broker = Broker(self.cfg, self.store, self.meta)
-        await self.broker.start()
+        await self._register()
+        await self.broker.start(self._lease)
         host, port = self.cfg.listen_addr()
         self.server = KafkaServer(self.broker, host, port, self.cfg.max_request_bytes)
         await self.server.start()
-        adv_host, _ = self.cfg.advertised_addr()
-        self._lease = await self.meta.register_broker(self.cfg.node_id, adv_host, self.server.port)
         self._keepalive = asyncio.create_task(self._keep_lease())
 
+    async def _register(self) -> None:
+        host, port = self.cfg.advertised_addr()
+        self._lease = await self.meta.register_broker(self.cfg.node_id, host, port, self.cfg.lease_ttl_s)
+
     async def _keep_lease(self) -> None:
+        """Refresh the lease; if it expired (we were paused or cut off from
+        etcd), drop everything it covered and register again."""
+        assert self.broker is not None
         while True:
-            await asyncio.sleep(3)
+            await asyncio.sleep(max(self.cfg.lease_ttl_s / 3, 0.5))
             try:
-                await self._lease.refresh()
+                reply = await self._lease.refresh()
+                if reply is None or reply.TTL <= 0:
+                    await self._register()
+                    await self.broker.lease_lost(self._lease)
             except Exception as exc:
                 log.warning("broker lease refresh failed: %s", exc)
 
     async def stop(self) -> None:
         if self._keepalive:
             self._keepalive.cancel()
+        if self.broker:  # flush and hand over first: waiting producers still get their acks
+            await self.broker.close()
         if self.server:
             await self.server.close()
-        if self.broker:
-            await self.broker.close()
+        if self._lease is not None:  # deregister at once rather than after the TTL
+            with contextlib.suppress(Exception):
+                await self._lease.revoke()
         await self.store.close()
         await self.meta.close()
 
 
-async def run_until_signal(cfg: Config) -> None:
-    node = BrokerNode(cfg)
-    await node.start()
+async def run_until_signal(cfgs: list[Config]) -> None:
+    """Run one or more broker nodes (several only for `kafscale dev --brokers`)
+    until SIGINT/SIGTERM, then drain and stop them."""
+    nodes = [BrokerNode(cfg) for cfg in cfgs]
+    try:
+        for node in nodes:
+            await node.start()
+    except BaseException:
+        for node in nodes:
+            await node.stop()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down")
-    await node.stop()
+    await asyncio.gather(*(node.stop() for node in nodes))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kafscale.groups.coordinator import GroupCoordinator, GroupError, offset_record
 from kafscale.metadata.store import TopicMeta
@@ -10,14 +10,17 @@ from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
 
+if TYPE_CHECKING:
+    from kafscale.broker.cluster import Cluster
+
 KEY_TYPE_GROUP = 0
 
 
 class GroupApi:
-    def __init__(self, coordinator: GroupCoordinator, address: Callable[[], tuple[int, str, int]],
+    def __init__(self, coordinator: GroupCoordinator, cluster: Cluster,
                  topic: Callable[[str], Awaitable[TopicMeta | None]]) -> None:
         self.coord = coordinator
-        self.address = address  # (node id, host, port) of the coordinator: this broker
+        self.cluster = cluster
         self.topic = topic
         self.handlers = {
             schemas.FIND_COORDINATOR.key: self.find_coordinator,
@@ -32,8 +35,12 @@ class GroupApi:
             schemas.DELETE_GROUPS.key: self.delete_groups,
         }
 
+    def _mine(self, group_id: str) -> None:
+        """Each group is coordinated by one live broker; others answer NOT_COORDINATOR."""
+        if self.cluster.coordinator_for(group_id) != self.cluster.me:
+            raise GroupError(ErrorCode.NOT_COORDINATOR, f"group {group_id} is coordinated by another broker")
+
     async def find_coordinator(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        node, host, port = self.address()
         keys = req["coordinator_keys"] if hdr.api_version >= 4 else [req["key"]]
         found = []
         for key in keys:
@@ -45,6 +52,8 @@ class GroupApi:
                 found.append({"key": key, "node_id": -1, "host": "", "port": -1,
                               "error_code": ErrorCode.INVALID_GROUP_ID, "error_message": "empty group id"})
             else:
+                node = self.cluster.coordinator_for(key)
+                host, port = self.cluster.address(node)
                 found.append({"key": key, "node_id": node, "host": host, "port": port, "error_code": 0,
                               "error_message": None})
         first = found[0] if found else {"node_id": -1, "host": "", "port": -1, "error_code": 0,
@@ -54,6 +63,7 @@ class GroupApi:
 
     async def join_group(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         try:
+            self._mine(req["group_id"])
             return await self.coord.join(req, hdr.api_version, hdr.client_id or "", hdr.client_host)
         except GroupError as exc:
             return {"throttle_time_ms": 0, "error_code": exc.code, "generation_id": -1, "protocol_type": None,
@@ -61,12 +71,14 @@ class GroupApi:
 
     async def sync_group(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         try:
+            self._mine(req["group_id"])
             return await self.coord.sync(req)
         except GroupError as exc:
             return {"throttle_time_ms": 0, "error_code": exc.code, "assignment": b""}
 
     async def heartbeat(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         try:
+            self._mine(req["group_id"])
             await self.coord.heartbeat(req)
             return {"throttle_time_ms": 0, "error_code": 0}
         except GroupError as exc:
@@ -77,6 +89,10 @@ class GroupApi:
             who = [(m["member_id"], m["group_instance_id"]) for m in req["members"]]
         else:
             who = [(req["member_id"], None)]
+        try:
+            self._mine(req["group_id"])
+        except GroupError as exc:
+            return {"throttle_time_ms": 0, "error_code": exc.code, "members": []}
         codes = await self.coord.leave(req["group_id"], who)
         top = codes[0] if hdr.api_version < 3 and codes else ErrorCode.NONE
         return {"throttle_time_ms": 0, "error_code": top,
@@ -101,6 +117,7 @@ class GroupApi:
                     results[key] = exc.code
         if offsets:
             try:
+                self._mine(req["group_id"])
                 await self.coord.commit_offsets(req["group_id"], req.get("generation_id_or_member_epoch", -1),
                                                 req.get("member_id", ""), req.get("group_instance_id"), offsets)
             except GroupError as exc:
@@ -111,6 +128,7 @@ class GroupApi:
                                                for p in t["partitions"]]} for t in req["topics"]]}
 
     async def _fetch_group(self, group_id: str, topics: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        self._mine(group_id)
         committed = await self.coord.fetch_offsets(group_id)
         if topics is None:
             wanted: dict[str, list[int]] = {}
@@ -131,23 +149,46 @@ class GroupApi:
 
     async def offset_fetch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         if hdr.api_version >= 8:
-            groups = [{"group_id": g["group_id"], "topics": await self._fetch_group(g["group_id"], g["topics"]),
-                       "error_code": 0} for g in req["groups"]]
+            groups = []
+            for g in req["groups"]:
+                try:
+                    groups.append({"group_id": g["group_id"], "error_code": 0,
+                                   "topics": await self._fetch_group(g["group_id"], g["topics"])})
+                except GroupError as exc:
+                    groups.append({"group_id": g["group_id"], "error_code": exc.code, "topics": []})
             return {"throttle_time_ms": 0, "groups": groups}
-        return {"throttle_time_ms": 0, "error_code": 0,
-                "topics": await self._fetch_group(req["group_id"], req["topics"])}
+        try:
+            return {"throttle_time_ms": 0, "error_code": 0,
+                    "topics": await self._fetch_group(req["group_id"], req["topics"])}
+        except GroupError as exc:
+            return {"throttle_time_ms": 0, "error_code": exc.code, "topics": []}
 
     async def describe_groups(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        return {"throttle_time_ms": 0, "groups": [await self.coord.describe(g) for g in req["groups"]]}
+        out = []
+        for g in req["groups"]:
+            try:
+                self._mine(g)
+                out.append(await self.coord.describe(g))
+            except GroupError as exc:
+                out.append({"error_code": exc.code, "group_id": g, "group_state": "", "protocol_type": "",
+                            "protocol_data": "", "members": []})
+        return {"throttle_time_ms": 0, "groups": out}
 
     async def list_groups(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         states = {s.lower() for s in req.get("states_filter") or []}
         types = {t.lower() for t in req.get("types_filter") or []}
         groups = [{"group_id": gid, "protocol_type": pt, "group_state": st, "group_type": "classic"}
                   for gid, pt, st in await self.coord.list()
-                  if (not states or st.lower() in states) and (not types or "classic" in types)]
+                  if self.cluster.coordinator_for(gid) == self.cluster.me
+                  and (not states or st.lower() in states) and (not types or "classic" in types)]
         return {"throttle_time_ms": 0, "error_code": 0, "groups": groups}
 
     async def delete_groups(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        return {"throttle_time_ms": 0, "results": [{"group_id": g, "error_code": await self.coord.delete(g)}
-                                                   for g in req["groups_names"]]}
+        results = []
+        for g in req["groups_names"]:
+            try:
+                self._mine(g)
+                results.append({"group_id": g, "error_code": await self.coord.delete(g)})
+            except GroupError as exc:
+                results.append({"group_id": g, "error_code": exc.code})
+        return {"throttle_time_ms": 0, "results": results}

@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,12 +101,6 @@ class GroupCoordinator:
         self._expiry: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        for gid, d in (await self.meta.load_groups()).items():
-            g = Group(gid, generation=d["generation"], protocol_type=d["protocol_type"], protocol=d["protocol"],
-                      leader=d["leader"])
-            g.members = {m["member_id"]: Member.from_json(m) for m in d["members"]}
-            g.state = STABLE if g.members else EMPTY
-            self.groups[gid] = g
         self._expiry = asyncio.create_task(self._expire_loop(), name="group session expiry")
 
     async def close(self) -> None:
@@ -116,11 +111,32 @@ class GroupCoordinator:
             if g.rebalance_task:
                 g.rebalance_task.cancel()
 
-    def _group(self, gid: str, create: bool = False) -> Group | None:
+    async def _group(self, gid: str, create: bool = False) -> Group | None:
+        """The group, loaded from etcd the first time this broker coordinates it
+        (after a restart, or when it moved here from another broker)."""
         g = self.groups.get(gid)
-        if g is None and create:
-            g = self.groups[gid] = Group(gid)
+        if g is None:
+            d = await self.meta.load_group(gid)
+            if d is not None:
+                g = Group(gid, generation=d["generation"], protocol_type=d["protocol_type"], protocol=d["protocol"],
+                          leader=d["leader"])
+                g.members = {m["member_id"]: Member.from_json(m) for m in d["members"]}
+                g.state = STABLE if g.members else EMPTY
+                g = self.groups.setdefault(gid, g)
+            elif create:
+                g = self.groups.setdefault(gid, Group(gid))
         return g
+
+    async def evict(self, unwanted: Callable[[str], bool]) -> None:
+        """Forget groups this broker no longer coordinates (their state is in etcd)."""
+        for gid in [gid for gid in self.groups if unwanted(gid)]:
+            g = self.groups.pop(gid)
+            if g.rebalance_task:
+                g.rebalance_task.cancel()
+            for m in g.members.values():
+                for fut in (m.join_future, m.sync_future):
+                    if fut is not None and not fut.done():
+                        fut.set_exception(GroupError(ErrorCode.NOT_COORDINATOR))
 
     # ------------------------------------------------------------------ join
     async def join(self, req: dict[str, Any], version: int, client_id: str, client_host: str) -> dict[str, Any]:
@@ -129,7 +145,7 @@ class GroupCoordinator:
             raise GroupError(ErrorCode.INVALID_GROUP_ID, "group id is empty")
         if not MIN_SESSION_MS <= req["session_timeout_ms"] <= MAX_SESSION_MS:
             raise GroupError(ErrorCode.INVALID_SESSION_TIMEOUT)
-        g = self._group(gid, create=True)
+        g = await self._group(gid, create=True)
         assert g is not None
         protocols = [(p["name"], bytes(p["metadata"])) for p in req["protocols"]]
         async with g.lock:
@@ -276,7 +292,7 @@ class GroupCoordinator:
 
     # ------------------------------------------------------------------ sync
     async def sync(self, req: dict[str, Any]) -> dict[str, Any]:
-        g = self._group(req["group_id"])
+        g = await self._group(req["group_id"])
         if g is None:
             raise GroupError(ErrorCode.UNKNOWN_MEMBER_ID)
         async with g.lock:
@@ -316,7 +332,7 @@ class GroupCoordinator:
 
     # ------------------------------------------------------- heartbeat/leave
     async def heartbeat(self, req: dict[str, Any]) -> None:
-        g = self._group(req["group_id"])
+        g = await self._group(req["group_id"])
         if g is None:
             raise GroupError(ErrorCode.UNKNOWN_MEMBER_ID)
         async with g.lock:
@@ -328,7 +344,7 @@ class GroupCoordinator:
             m.last_heartbeat = time.monotonic()
 
     async def leave(self, group_id: str, members: list[tuple[str, str | None]]) -> list[ErrorCode]:
-        g = self._group(group_id)
+        g = await self._group(group_id)
         if g is None:
             return [ErrorCode.UNKNOWN_MEMBER_ID] * len(members)
         out = []
@@ -379,7 +395,7 @@ class GroupCoordinator:
     # --------------------------------------------------------------- offsets
     async def commit_offsets(self, group_id: str, generation: int, member_id: str, instance: str | None,
                              offsets: dict[tuple[str, int], dict[str, Any]]) -> None:
-        g = self._group(group_id)
+        g = await self._group(group_id)
         if g is not None and (g.members or generation >= 0):
             async with g.lock:
                 if g.members or member_id:
@@ -396,7 +412,7 @@ class GroupCoordinator:
 
     # ------------------------------------------------------------------ admin
     async def describe(self, group_id: str) -> dict[str, Any]:
-        g = self._group(group_id)
+        g = await self._group(group_id)
         if g is None:
             state = EMPTY if group_id in await self.meta.group_names_with_offsets() else DEAD
             return {"error_code": 0, "group_id": group_id, "group_state": state, "protocol_type": "",
@@ -417,7 +433,7 @@ class GroupCoordinator:
         return [(gid, pt, st) for gid, (pt, st) in sorted(out.items())]
 
     async def delete(self, group_id: str) -> ErrorCode:
-        g = self._group(group_id)
+        g = await self._group(group_id)
         if g is not None and g.members:
             return ErrorCode.NON_EMPTY_GROUP
         if g is None and group_id not in await self.meta.group_names_with_offsets():

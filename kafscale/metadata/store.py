@@ -3,7 +3,8 @@
   topics/{name}                  {"id": hex uuid, "partitions": n, "config": {...}}
   partitions/{topic}/{p}         {"owner": broker id, "epoch": n, "hw": n, "log_start": n}
   segments/{topic}/{p}/{base}    manifest of one committed segment (base 20 digits)
-  brokers/{id}                   {"host": ..., "port": ...} on a lease
+  brokers/{id}                   {"host": ..., "port": ...} on the broker's lease
+  owners/{topic}/{p}             id of the broker that owns the partition, on its lease
   producer_ids                   last allocated producer id
   offsets/{group}/{topic}/{p}    {"offset": n, "metadata": str, "leader_epoch": n, "commit_ms": n}
   groups/{group}                 group state of the last completed rebalance (members, assignments)
@@ -118,7 +119,7 @@ class MetaStore:
     async def delete_topic(self, name: str) -> None:
         tx = self.client.transactions
         ops = [tx.delete(self.k("topics", name))]
-        for area in ("partitions", "segments"):
+        for area in ("partitions", "segments", "owners"):
             start = self.k(area, name, "")
             ops.append(tx.delete(start, prefix_range_end(start)))
         await self.client.transaction(compare=[], success=ops, failure=[])
@@ -233,10 +234,6 @@ class MetaStore:
     async def save_group(self, group: str, state: dict[str, Any]) -> None:
         await self.client.put(self.k("groups", group), json.dumps(state).encode())
 
-    async def load_groups(self) -> dict[str, dict[str, Any]]:
-        base = self.k("groups", "")
-        return {kv.key[len(base):].decode(): json.loads(kv.value) for kv in await self.client.get_prefix(base)}
-
     async def delete_group(self, group: str) -> None:
         await self.client.delete(self.k("groups", group))
         await self.delete_offsets(group)
@@ -259,8 +256,42 @@ class MetaStore:
             if ok:
                 return cur + 1
 
+    # ----------------------------------------------------------- ownership
+    async def claim_owner(self, topic: str, p: int, broker_id: int, lease: Any) -> bool:
+        """Own a partition on our lease: if nobody owns it, or we do (e.g. under
+        the lease of our previous process)."""
+        key, me = self.k("owners", topic, p), str(broker_id).encode()
+        tx = self.client.transactions
+        for cmp in (tx.version(key) == 0, tx.value(key) == me):
+            ok, _ = await self.client.transaction(compare=[cmp], success=[tx.put(key, me, lease=lease)], failure=[])
+            if ok:
+                return True
+        return False
+
+    async def release_owner(self, topic: str, p: int, broker_id: int) -> None:
+        key = self.k("owners", topic, p)
+        tx = self.client.transactions
+        await self.client.transaction(compare=[tx.value(key) == str(broker_id).encode()],
+                                      success=[tx.delete(key)], failure=[])
+
+    async def owners(self) -> dict[tuple[str, int], int]:
+        base = self.k("owners", "")
+        out = {}
+        for kv in await self.client.get_prefix(base):
+            topic, _, p = kv.key[len(base):].decode().rpartition("/")
+            out[(topic, int(p))] = int(kv.value)
+        return out
+
+    async def owner_of(self, topic: str, p: int) -> int | None:
+        r = await self.client.get(self.k("owners", topic, p))
+        return None if r is None else int(r.value)
+
+    async def load_group(self, group: str) -> dict[str, Any] | None:
+        r = await self.client.get(self.k("groups", group))
+        return None if r is None else json.loads(r.value)
+
     # ---------------------------------------------------------------- brokers
-    async def register_broker(self, broker_id: int, host: str, port: int, ttl: int = 10) -> Any:
+    async def register_broker(self, broker_id: int, host: str, port: int, ttl: int) -> Any:
         lease = await self.client.lease(ttl)
         await self.client.put(self.k("brokers", broker_id), json.dumps({"host": host, "port": port}).encode(),
                               lease=lease)
