@@ -36,6 +36,10 @@ class BrokerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def broker_id(self) -> int:
+        return int(self.config.get("node_id", 1))
+
+    @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 

@@ -60,7 +60,7 @@ def confluent_produce(bootstrap: str, topic: str, recs: list[Rec], codec: str = 
 
 
 def confluent_consume(bootstrap: str, topic: str, n: int, partition: int = 0, start: int = 0,
-                      timeout: float = 30) -> list[tuple[int, Rec]]:
+                      timeout: float = 60) -> list[tuple[int, Rec]]:
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": "kafscale-test-reader", "enable.auto.commit": False,
                   "fetch.message.max.bytes": 4 * 1024 * 1024})
     c.assign([TopicPartition(topic, partition, start)])
@@ -89,7 +89,7 @@ def kafka_python_produce(bootstrap: str, topic: str, recs: list[Rec], codec: str
     return offsets
 
 
-def kafka_python_consume(bootstrap: str, topic: str, n: int, timeout: float = 30) -> list[tuple[int, Rec]]:
+def kafka_python_consume(bootstrap: str, topic: str, n: int, timeout: float = 60) -> list[tuple[int, Rec]]:
     from kafka import KafkaConsumer
     from kafka import TopicPartition as KTP
 
@@ -143,7 +143,7 @@ def aiokafka_produce(bootstrap: str, topic: str, recs: list[Rec], codec: str | N
     return asyncio.run(_aiokafka_produce(bootstrap, topic, recs, codec))
 
 
-def aiokafka_consume(bootstrap: str, topic: str, n: int, timeout: float = 30) -> list[tuple[int, Rec]]:
+def aiokafka_consume(bootstrap: str, topic: str, n: int, timeout: float = 60) -> list[tuple[int, Rec]]:
     return asyncio.run(_aiokafka_consume(bootstrap, topic, n, timeout))
 
 

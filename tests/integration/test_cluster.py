@@ -133,3 +133,32 @@ def test_sigstopped_owner_is_fenced(make_cluster, topic_name, stack):
         assert final["epoch"] > state["epoch"]
     assert "lease lost" in a.log() or "fenced" in a.log()
     check_all_acked_present(b.bootstrap, name, 1, stream.acked)
+
+
+def test_rolling_restart_under_load(make_cluster, topic_name, tmp_path):
+    """SIGTERM each broker in turn (it flushes, hands its partitions over and
+    deregisters) while a producer and a consumer group run; then every acked
+    record is there, once per offset, and the group consumed them all."""
+    brokers = make_cluster(3, lease_ttl_s=2, balance_interval_ms=500)
+    boot = bootstrap(brokers)
+    create_topic(boot, topic_name, partitions=6)
+    member = Member("confluent", boot, f"g-{topic_name}", topic_name, tmp_path / "m.txt")
+    stream = Stream(boot, topic_name, 6)
+    try:
+        for b in brokers:
+            before = len(stream.acked)
+            wait_for(lambda before=before: len(stream.acked) > before + 500, 60, "acks before the restart")
+            b.stop()
+            assert "handing" in b.log() or "shutting down" in b.log()
+            b.start()
+            wait_for(lambda b=b: b.broker_id in leaders(boot, topic_name).values(), 30,
+                     f"broker {b.broker_id} to own partitions again")
+        before = len(stream.acked)
+        wait_for(lambda: len(stream.acked) > before + 500, 60, "acks after the rolling restart")
+    finally:
+        stream.stop()
+    try:
+        wait_for(lambda: set(member.processed()) >= set(stream.acked), 90, "the group to consume every acked record")
+    finally:
+        member.stop()
+    check_all_acked_present(boot, topic_name, 6, stream.acked)
