@@ -40,7 +40,7 @@ class KafkaServer:
         self.max_request_bytes = max_request_bytes
         self.reuse_port = reuse_port
         self._server: asyncio.base_events.Server | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        self._conns: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port, reuse_port=self.reuse_port,
@@ -50,18 +50,24 @@ class KafkaServer:
         log.info("Kafka listener on %s:%d", self.host, self.port)
 
     async def close(self) -> None:
+        """Stop listening, close every connection (their tasks end on EOF rather
+        than by cancellation, which asyncio's stream server logs as an error)."""
         if self._server is not None:
             self._server.close()
-        for t in list(self._conns):
-            t.cancel()
-        await asyncio.gather(*self._conns, return_exceptions=True)
+        for writer in self._conns.values():
+            writer.close()
+        if self._conns:
+            _, stuck = await asyncio.wait(list(self._conns), timeout=5)
+            for t in stuck:
+                t.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._conns.add(task)
+        self._conns[task] = writer
         conn = next(_conn_ids)
         peer = writer.get_extra_info("peername")
         client_host = f"/{peer[0]}" if isinstance(peer, tuple) else ""
@@ -93,7 +99,7 @@ class KafkaServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
-            self._conns.discard(task)
+            self._conns.pop(task, None)
 
     async def _read_frame(self, reader: asyncio.StreamReader) -> memoryview | None:
         try:
