@@ -1,4 +1,4 @@
-"""`kafscale` command line: broker, dev, segments, topics, groups."""
+"""`kafscale` command line: broker, proxy, dev, segments, topics, groups."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +34,19 @@ def _run_broker(cfgs: list[config_mod.Config]) -> int:
 
 def cmd_broker(args: argparse.Namespace) -> int:
     return _run_broker([config_mod.load(args)])
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from kafscale.proxy.proxy import run_proxy_until_signal
+
+    cfg = config_mod.load(args)
+    _setup_logging(cfg.log_level)
+    try:
+        asyncio.run(run_proxy_until_signal(cfg))
+    except OSError as exc:
+        print(f"kafscale proxy: cannot start: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def cmd_dev(args: argparse.Namespace) -> int:
@@ -149,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("broker", help="run a broker against an existing etcd and S3")
     config_mod.add_arguments(p)
     p.set_defaults(func=cmd_broker)
+
+    p = sub.add_parser("proxy", help="one Kafka endpoint in front of every broker of a cluster")
+    config_mod.add_arguments(p)
+    p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser("dev", help="run etcd + SeaweedFS S3 + a broker on this machine")
     p.add_argument("--data-dir", help="keep etcd and S3 data here across restarts (default: temporary)")

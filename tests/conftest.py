@@ -27,12 +27,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
 class BrokerProcess:
     """One `kafscale broker` process; restartable on the same port and cluster."""
 
-    def __init__(self, stack: DevStack, logdir: Path, cluster: str, **config: object) -> None:
+    def __init__(self, stack: DevStack, logdir: Path, cluster: str, command: str = "broker",
+                 **config: object) -> None:
+        self.command = command
         self.stack = stack
         self.port = free_port()
         self.cluster = cluster
         self.config = config
-        self.logfile = logdir / f"broker-{cluster}-{self.port}.log"
+        self.logfile = logdir / f"{command}-{cluster}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -55,7 +57,7 @@ class BrokerProcess:
 
     def start(self) -> BrokerProcess:
         out = open(self.logfile, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", "broker"], env=self.env(),
+        self.proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", self.command], env=self.env(),
                                      stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -112,11 +114,14 @@ def make_cluster(stack: DevStack, tmp_path: Path) -> Iterator:
     """Factory for n brokers (node ids 1..n) sharing one cluster namespace."""
     made: list[BrokerProcess] = []
 
-    def make(n: int, **config: object) -> list[BrokerProcess]:
+    def make(n: int, proxy: bool = False, **config: object) -> list[BrokerProcess]:
+        """n brokers (node ids 1..n), then the cluster's proxy if asked for."""
         cluster = f"c{uuid.uuid4().hex[:10]}"
-        brokers = [BrokerProcess(stack, tmp_path, cluster, node_id=i + 1, **config) for i in range(n)]
-        made.extend(brokers)
-        return [b.start() for b in brokers]
+        procs = [BrokerProcess(stack, tmp_path, cluster, node_id=i + 1, **config) for i in range(n)]
+        if proxy:
+            procs.append(BrokerProcess(stack, tmp_path, cluster, command="proxy"))
+        made.extend(procs)
+        return [b.start() for b in procs]
 
     yield make
     for b in made:

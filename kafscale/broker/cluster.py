@@ -17,21 +17,26 @@ def rendezvous(key: str, ids: list[int]) -> int | None:
 
 
 class Cluster:
-    def __init__(self, meta: MetaStore, cfg: Config) -> None:
+    def __init__(self, meta: MetaStore, cfg: Config, member: bool = True) -> None:
+        """member: this process is one of the brokers (the proxy is not)."""
         self.meta = meta
-        self.me = cfg.node_id
-        self.brokers: dict[int, tuple[str, int]] = {self.me: cfg.advertised_addr()}
+        self.me = cfg.node_id if member else -1
+        self._own = (self.me, cfg.advertised_addr()) if member else None
+        self.brokers: dict[int, tuple[str, int]] = dict([self._own]) if self._own else {}
 
     async def refresh(self) -> None:
         live = {b: (h, p) for b, h, p in await self.meta.list_brokers()}
-        live.setdefault(self.me, self.brokers[self.me])  # we are alive even if etcd has not caught up
+        if self._own:
+            live.setdefault(*self._own)  # we are alive even if etcd has not caught up
         self.brokers = live
 
     def desired_owner(self, topic: str, partition: int) -> int:
-        return rendezvous(f"p|{topic}|{partition}", sorted(self.brokers)) or self.me
+        found = rendezvous(f"p|{topic}|{partition}", sorted(self.brokers))
+        return self.me if found is None else found
 
     def coordinator_for(self, group: str) -> int:
-        return rendezvous(f"g|{group}", sorted(self.brokers)) or self.me
+        found = rendezvous(f"g|{group}", sorted(self.brokers))
+        return self.me if found is None else found
 
     def address(self, broker_id: int) -> tuple[str, int]:
-        return self.brokers.get(broker_id, self.brokers[self.me])
+        return self.brokers.get(broker_id) or self.brokers[self.me]

@@ -21,6 +21,14 @@ def record(out, rows: list[tuple[int, int]]) -> None:
     out.flush()
 
 
+def commit_or_carry_on(commit) -> None:
+    """A failed commit (coordinator moving, rebalance) only means redelivery later."""
+    try:
+        commit()
+    except Exception as exc:
+        print(f"commit failed, carrying on: {exc}", file=sys.stderr, flush=True)
+
+
 def run_confluent(bootstrap: str, group: str, topic: str, out, strategy: str, stop) -> None:
     from confluent_kafka import Consumer
 
@@ -39,7 +47,7 @@ def run_confluent(bootstrap: str, group: str, topic: str, out, strategy: str, st
         if rows:
             time.sleep(0.02)  # "processing"
             record(out, rows)
-            c.commit(asynchronous=False)
+            commit_or_carry_on(lambda: c.commit(asynchronous=False))
     c.close()
 
 
@@ -58,7 +66,7 @@ def run_kafka_python(bootstrap: str, group: str, topic: str, out, strategy: str,
         if rows:
             time.sleep(0.02)
             record(out, rows)
-            c.commit()
+            commit_or_carry_on(c.commit)
     c.close()
 
 
@@ -79,7 +87,10 @@ async def run_aiokafka(bootstrap: str, group: str, topic: str, out, strategy: st
             if rows:
                 await asyncio.sleep(0.02)
                 record(out, rows)
-                await c.commit()
+                try:
+                    await c.commit()
+                except Exception as exc:
+                    print(f"commit failed, carrying on: {exc}", file=sys.stderr, flush=True)
     finally:
         await c.stop()
 

@@ -142,6 +142,7 @@ def test_rolling_restart_under_load(make_cluster, topic_name, tmp_path):
     brokers = make_cluster(3, lease_ttl_s=2, balance_interval_ms=500)
     boot = bootstrap(brokers)
     create_topic(boot, topic_name, partitions=6)
+    placement = {p: rendezvous(f"p|{topic_name}|{p}", [1, 2, 3]) for p in range(6)}
     member = Member("confluent", boot, f"g-{topic_name}", topic_name, tmp_path / "m.txt")
     stream = Stream(boot, topic_name, 6)
     try:
@@ -151,8 +152,7 @@ def test_rolling_restart_under_load(make_cluster, topic_name, tmp_path):
             b.stop()
             assert "handing" in b.log() or "shutting down" in b.log()
             b.start()
-            wait_for(lambda b=b: b.broker_id in leaders(boot, topic_name).values(), 30,
-                     f"broker {b.broker_id} to own partitions again")
+            wait_for(lambda: leaders(boot, topic_name) == placement, 30, "the placement over all three brokers")
         before = len(stream.acked)
         wait_for(lambda: len(stream.acked) > before + 500, 60, "acks after the rolling restart")
     finally:

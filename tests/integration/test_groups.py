@@ -33,8 +33,9 @@ def produce_spread(bootstrap: str, topic: str, n: int) -> set[tuple[int, int]]:
 class Member:
     def __init__(self, lib: str, bootstrap: str, group: str, topic: str, out: Path, strategy: str = "range"):
         self.out = out
+        self.err = open(out.with_suffix(".err"), "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.integration.group_member", lib, bootstrap, group,
-                                      topic, str(out), strategy], stderr=subprocess.DEVNULL)
+                                      topic, str(out), strategy], stderr=self.err)
 
     def processed(self) -> list[tuple[int, int]]:
         if not self.out.exists():

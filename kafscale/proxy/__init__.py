@@ -1,0 +1,1 @@
+"""The metadata-rewriting proxy."""

@@ -1,0 +1,276 @@
+"""`kafscale proxy`: one Kafka endpoint in front of any number of brokers.
+
+Clients bootstrap to the proxy and see a single broker (the proxy) in
+Metadata and FindCoordinator. The proxy learns the live brokers and the
+partition owners from etcd (the same placement the brokers compute), splits
+Produce / Fetch / ListOffsets / OffsetForLeaderEpoch by owning broker and
+merges the answers, sends group requests to the group's coordinator, and
+anything else to any live broker. Brokers can restart or scale behind it
+while clients stay connected to the proxy."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kafscale.broker.cluster import Cluster
+from kafscale.config import Config
+from kafscale.metadata.store import MetaStore
+from kafscale.protocol import schemas
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.framing import RequestHeader
+from kafscale.proxy.upstream import Upstream, UpstreamError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PartitionedApi:
+    """Where the topic/partition lists sit in a request and its response."""
+    topics: str
+    topic_key: str
+    parts: str
+    part_key: str
+    resp_topics: str
+    resp_parts: str
+    error: str = "error_code"
+
+
+PARTITIONED = {
+    schemas.PRODUCE.key: PartitionedApi("topic_data", "name", "partition_data", "index", "responses",
+                                        "partition_responses"),
+    schemas.FETCH.key: PartitionedApi("topics", "topic", "partitions", "partition", "responses", "partitions"),
+    schemas.LIST_OFFSETS.key: PartitionedApi("topics", "name", "partitions", "partition_index", "topics",
+                                             "partitions"),
+    schemas.OFFSET_FOR_LEADER_EPOCH.key: PartitionedApi("topics", "topic", "partitions", "partition", "topics",
+                                                        "partitions"),
+}
+GROUP_KEYED = {schemas.JOIN_GROUP.key, schemas.SYNC_GROUP.key, schemas.HEARTBEAT.key, schemas.LEAVE_GROUP.key,
+               schemas.OFFSET_COMMIT.key}
+
+
+class Proxy:
+    def __init__(self, cfg: Config, meta: MetaStore, node_id: int = 0) -> None:
+        self.cfg = cfg
+        self.meta = meta
+        self.node_id = node_id
+        self.cluster = Cluster(meta, cfg, member=False)
+        self.owners: dict[tuple[str, int], int] = {}
+        self.topic_names: dict[bytes, str] = {}
+        self.upstreams: dict[int, Upstream] = {}
+        self._refresh_task: asyncio.Task[None] | None = None
+        self.handlers: dict[int, Callable[[RequestHeader, dict[str, Any]], Awaitable[dict[str, Any] | None]]] = {
+            key: self._forward_any for key in schemas.APIS}
+        self.handlers.update({key: self._partitioned for key in PARTITIONED})
+        self.handlers.update({key: self._group_keyed for key in GROUP_KEYED})
+        self.handlers.update({
+            schemas.API_VERSIONS.key: self.api_versions,
+            schemas.METADATA.key: self._metadata,
+            schemas.FIND_COORDINATOR.key: self._find_coordinator,
+            schemas.OFFSET_FETCH.key: self._offset_fetch,
+            schemas.DESCRIBE_GROUPS.key: self._per_group("groups", "groups", "group_id"),
+            schemas.DELETE_GROUPS.key: self._per_group("groups_names", "results", "group_id"),
+            schemas.LIST_GROUPS.key: self._list_groups,
+            schemas.DESCRIBE_CLUSTER.key: self._describe_cluster,
+        })
+
+    # ------------------------------------------------------------ membership
+    async def start(self) -> None:
+        await self.refresh()
+        self._refresh_task = asyncio.create_task(self._refresh_loop())
+
+    async def close(self) -> None:
+        if self._refresh_task:
+            self._refresh_task.cancel()
+        for u in self.upstreams.values():
+            await u.close()
+
+    async def refresh(self) -> None:
+        await self.cluster.refresh()
+        self.owners = await self.meta.owners()
+        self.topic_names = {t.id: t.name for t in await self.meta.list_topics()}
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1)
+            try:
+                await self.refresh()
+            except Exception as exc:
+                log.warning("proxy refresh failed: %r", exc)
+
+    def _upstream(self, broker: int) -> Upstream:
+        if broker not in self.cluster.brokers:
+            raise UpstreamError(f"broker {broker} is not live")
+        host, port = self.cluster.brokers[broker]
+        u = self.upstreams.get(broker)
+        if u is None or (u.host, u.port) != (host, port):
+            u = self.upstreams[broker] = Upstream(host, port)
+        return u
+
+    def _owner(self, topic: str, p: int) -> int:
+        owner = self.owners.get((topic, p))
+        return owner if owner in self.cluster.brokers else self.cluster.desired_owner(topic, p)
+
+    def _any_broker(self) -> int:
+        if not self.cluster.brokers:
+            raise UpstreamError("no live brokers")
+        return min(self.cluster.brokers)
+
+    async def _send(self, broker: int, hdr: RequestHeader, body: dict[str, Any], expect_reply: bool = True
+                    ) -> dict[str, Any] | None:
+        return await self._upstream(broker).request(hdr.api_key, hdr.api_version, body, expect_reply, hdr.client_id)
+
+    # -------------------------------------------------------------- handlers
+    async def api_versions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        keys = [{"api_key": a.key, "min_version": a.min_version, "max_version": a.max_version}
+                for a in sorted(schemas.APIS.values(), key=lambda a: a.key)]
+        return {"error_code": 0, "api_keys": keys, "throttle_time_ms": 0}
+
+    def _me(self) -> dict[str, Any]:
+        host, port = self.cfg.advertised_addr()
+        return {"node_id": self.node_id, "host": host, "port": port, "rack": None}
+
+    async def _forward_any(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any] | None:
+        return await self._send(self._any_broker(), hdr, req)
+
+    async def _metadata(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        resp = await self._send(self._any_broker(), hdr, req)
+        assert resp is not None
+        resp["brokers"], resp["controller_id"] = [self._me()], self.node_id
+        for t in resp["topics"]:
+            for p in t["partitions"]:
+                p["leader_id"], p["replica_nodes"], p["isr_nodes"] = self.node_id, [self.node_id], [self.node_id]
+        return resp
+
+    async def _describe_cluster(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        resp = await self._send(self._any_broker(), hdr, req)
+        assert resp is not None
+        me = self._me()
+        resp["brokers"] = [{"broker_id": me["node_id"], "host": me["host"], "port": me["port"], "rack": None}]
+        resp["controller_id"] = self.node_id
+        return resp
+
+    async def _find_coordinator(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        resp = await self._send(self._any_broker(), hdr, req)
+        assert resp is not None
+        me = self._me()
+        for c in [resp, *resp.get("coordinators", [])]:
+            if c.get("error_code", 0) == 0:
+                c["node_id"], c["host"], c["port"] = me["node_id"], me["host"], me["port"]
+        return resp
+
+    async def _partitioned(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any] | None:
+        spec = PARTITIONED[hdr.api_key]
+        by_broker: dict[int, dict[int, dict[str, Any]]] = {}  # broker -> request topic entry -> its share
+        for t in req[spec.topics]:
+            name = t.get(spec.topic_key) or self.topic_names.get(t.get("topic_id", b""), "")
+            for p in t[spec.parts]:
+                share = by_broker.setdefault(self._owner(name, p[spec.part_key]), {})
+                share.setdefault(id(t), {**t, spec.parts: []})[spec.parts].append(p)
+        expect_reply = not (hdr.api_key == schemas.PRODUCE.key and req["acks"] == 0)
+        sub = {b: {**req, spec.topics: list(ts.values())} for b, ts in by_broker.items()}
+        results = await asyncio.gather(*(self._send(b, hdr, body, expect_reply) for b, body in sub.items()),
+                                       return_exceptions=True)
+        if not expect_reply:
+            return None
+        merged: dict[Any, dict[str, Any]] = {}
+        out: dict[str, Any] = {}
+        for (broker, body), resp in zip(sub.items(), results, strict=True):
+            if isinstance(resp, BaseException):  # that broker is gone: clients retry after a metadata refresh
+                log.info("proxy: broker %d failed (%s); answering NOT_LEADER_OR_FOLLOWER", broker, resp)
+                resp = self._error_response(spec, body, ErrorCode.NOT_LEADER_OR_FOLLOWER)
+                asyncio.get_running_loop().create_task(self.refresh())
+            out.update({k: v for k, v in resp.items() if k != spec.resp_topics})
+            for t in resp[spec.resp_topics]:
+                key = (t.get("name") or t.get("topic"), t.get("topic_id"))
+                if key in merged:
+                    merged[key][spec.resp_parts].extend(t[spec.resp_parts])
+                else:
+                    merged[key] = t
+        out[spec.resp_topics] = list(merged.values())
+        if "error_code" in out and hdr.api_key == schemas.FETCH.key:
+            out["error_code"], out["session_id"] = 0, 0
+        return out
+
+    @staticmethod
+    def _error_response(spec: PartitionedApi, body: dict[str, Any], code: ErrorCode) -> dict[str, Any]:
+        """A response that fails every partition of `body` with `code`."""
+        topics = []
+        for t in body[spec.topics]:
+            parts = [{"index": p[spec.part_key], "partition_index": p[spec.part_key], "partition": p[spec.part_key],
+                      spec.error: code, "base_offset": -1, "high_watermark": -1, "records": b"", "offset": -1,
+                      "timestamp": -1, "end_offset": -1} for p in t[spec.parts]]
+            topics.append({"name": t.get(spec.topic_key, ""), "topic": t.get(spec.topic_key, ""),
+                           "topic_id": t.get("topic_id", bytes(16)), spec.resp_parts: parts})
+        return {spec.resp_topics: topics, "throttle_time_ms": 0}
+
+    async def _to_coordinator(self, group: str, hdr: RequestHeader, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            resp = await self._send(self.cluster.coordinator_for(group), hdr, body)
+            assert resp is not None
+            return resp
+        except UpstreamError:
+            asyncio.get_running_loop().create_task(self.refresh())
+            raise
+
+    async def _group_keyed(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self._to_coordinator(req["group_id"], hdr, req)
+        except UpstreamError:
+            code = ErrorCode.COORDINATOR_NOT_AVAILABLE
+            if hdr.api_key == schemas.OFFSET_COMMIT.key:
+                return {"throttle_time_ms": 0, "topics": [
+                    {"name": t["name"], "partitions": [{"partition_index": p["partition_index"], "error_code": code}
+                                                       for p in t["partitions"]]} for t in req["topics"]]}
+            return {"throttle_time_ms": 0, "error_code": code, "members": [], "assignment": b"",
+                    "member_id": req.get("member_id", "")}
+
+    async def _offset_fetch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        if hdr.api_version < 8:
+            return await self._to_coordinator(req["group_id"], hdr, req)
+        groups = []
+        for g in req["groups"]:
+            resp = await self._to_coordinator(g["group_id"], hdr, {**req, "groups": [g]})
+            groups.extend(resp["groups"])
+        return {"throttle_time_ms": 0, "groups": groups}
+
+    def _per_group(self, field: str, resp_field: str, id_key: str) -> Callable[..., Awaitable[dict[str, Any]]]:
+        async def handler(hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+            out = []
+            for g in req[field]:
+                resp = await self._to_coordinator(g, hdr, {**req, field: [g]})
+                out.extend(resp[resp_field])
+            return {"throttle_time_ms": 0, resp_field: out}
+        return handler
+
+    async def _list_groups(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        resps = await asyncio.gather(*(self._send(b, hdr, req) for b in list(self.cluster.brokers)),
+                                     return_exceptions=True)
+        groups = [g for r in resps if isinstance(r, dict) for g in r["groups"]]
+        return {"throttle_time_ms": 0, "error_code": 0, "groups": groups}
+
+
+async def run_proxy_until_signal(cfg: Config) -> None:
+    import signal
+
+    from kafscale.broker.server import KafkaServer
+
+    meta = MetaStore(cfg.etcd, cfg.cluster)
+    await meta.start()
+    proxy = Proxy(cfg, meta)
+    await proxy.start()
+    host, port = cfg.listen_addr()
+    server = KafkaServer(proxy, host, port, cfg.max_request_bytes)  # type: ignore[arg-type]
+    await server.start()
+    log.info("proxy for cluster %r on %s:%d in front of brokers %s", cfg.cluster, host, server.port,
+             sorted(proxy.cluster.brokers))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.close()
+    await proxy.close()
+    await meta.close()

@@ -1,0 +1,86 @@
+"""Pipelined connections from the proxy to brokers: many requests in flight
+on one connection, answers matched by correlation id."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import struct
+from typing import Any
+
+from kafscale.protocol.framing import decode_response, encode_request
+
+
+class UpstreamError(ConnectionError):
+    pass
+
+
+class Upstream:
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._waiting: dict[int, tuple[asyncio.Future[dict[str, Any]], int, int]] = {}
+        self._ids = itertools.count(1)
+        self._reading: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def alive(self) -> bool:
+        return self._reading is not None and not self._reading.done()
+
+    async def _connect(self) -> None:
+        async with self._lock:
+            if self.alive:
+                return
+            self._reader, self._writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), 5)
+            self._reading = asyncio.create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        try:
+            while True:
+                (size,) = struct.unpack(">i", await self._reader.readexactly(4))
+                frame = await self._reader.readexactly(size)
+                (corr,) = struct.unpack_from(">i", frame)
+                entry = self._waiting.pop(corr, None)
+                if entry is None:
+                    continue
+                fut, api_key, version = entry
+                if not fut.done():
+                    try:
+                        fut.set_result(decode_response(api_key, version, frame)[1])
+                    except Exception as exc:
+                        fut.set_exception(UpstreamError(f"bad response from {self.host}:{self.port}: {exc}"))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            for fut, _, _ in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(UpstreamError(f"connection to {self.host}:{self.port} lost"))
+            self._waiting.clear()
+            if self._writer is not None:
+                self._writer.close()
+
+    async def request(self, api_key: int, version: int, body: dict[str, Any], expect_reply: bool = True,
+                      client_id: str | None = "kafscale-proxy") -> dict[str, Any] | None:
+        try:
+            await self._connect()
+        except (OSError, TimeoutError) as exc:
+            raise UpstreamError(f"cannot reach {self.host}:{self.port}: {exc}") from exc
+        assert self._writer is not None
+        corr = next(self._ids) & 0x7FFFFFFF
+        frame = encode_request(api_key, version, corr, body, client_id=client_id)
+        if not expect_reply:  # acks=0 produce: the broker sends nothing back
+            self._writer.write(frame)
+            return None
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[corr] = (fut, api_key, version)
+        self._writer.write(frame)
+        return await fut
+
+    async def close(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reading
