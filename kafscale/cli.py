@@ -20,16 +20,24 @@ def _setup_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _run_broker(cfgs: list[config_mod.Config]) -> int:
-    from kafscale.broker.node import StartupError, run_until_signal
+def _serve(main: Any, log_level: str) -> int:
+    """Run a server coroutine until it is signalled; exit 2 with a clear
+    message if it cannot start (etcd or S3 unusable, port taken)."""
+    from kafscale.broker.node import StartupError
 
-    _setup_logging(cfgs[0].log_level)
+    _setup_logging(log_level)
     try:
-        asyncio.run(run_until_signal(cfgs))
-    except StartupError as exc:
+        asyncio.run(main)
+    except (StartupError, OSError) as exc:
         print(f"kafscale: cannot start: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _run_broker(cfgs: list[config_mod.Config]) -> int:
+    from kafscale.broker.node import run_until_signal
+
+    return _serve(run_until_signal(cfgs), cfgs[0].log_level)
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
@@ -40,13 +48,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from kafscale.proxy.proxy import run_proxy_until_signal
 
     cfg = config_mod.load(args)
-    _setup_logging(cfg.log_level)
-    try:
-        asyncio.run(run_proxy_until_signal(cfg))
-    except OSError as exc:
-        print(f"kafscale proxy: cannot start: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return _serve(run_proxy_until_signal(cfg), cfg.log_level)
 
 
 def cmd_dev(args: argparse.Namespace) -> int:

@@ -81,6 +81,17 @@ def check_all_acked_present(boot: str, topic: str, partitions: int, acked: dict[
             assert got.get(o) == v, f"partition {p} offset {o}: acked record lost or changed"
 
 
+def drain_and_verify(stream: Stream, member: Member, boot: str, topic: str, partitions: int) -> None:
+    """Stop producing; the group must consume every acked record, and every
+    acked record must be in the log at its acked offset."""
+    stream.stop()
+    try:
+        wait_for(lambda: set(member.processed()) >= set(stream.acked), 90, "the group to consume every acked record")
+    finally:
+        member.stop()
+    check_all_acked_present(boot, topic, partitions, stream.acked)
+
+
 def test_spread_and_failover_after_sigkill(make_cluster, topic_name, tmp_path):
     brokers = make_cluster(3, lease_ttl_s=2, balance_interval_ms=500)
     boot = bootstrap(brokers)
@@ -99,12 +110,7 @@ def test_spread_and_failover_after_sigkill(make_cluster, topic_name, tmp_path):
         before = len(stream.acked)
         wait_for(lambda: len(stream.acked) > before + 1500, 60, "acks after the failover")
     finally:
-        stream.stop()
-    try:
-        wait_for(lambda: set(member.processed()) >= set(stream.acked), 90, "the group to consume every acked record")
-    finally:
-        member.stop()
-    check_all_acked_present(bootstrap(survivors), topic_name, 6, stream.acked)
+        drain_and_verify(stream, member, bootstrap(survivors), topic_name, 6)
 
 
 def test_sigstopped_owner_is_fenced(make_cluster, topic_name, stack):
@@ -156,9 +162,4 @@ def test_rolling_restart_under_load(make_cluster, topic_name, tmp_path):
         before = len(stream.acked)
         wait_for(lambda: len(stream.acked) > before + 500, 60, "acks after the rolling restart")
     finally:
-        stream.stop()
-    try:
-        wait_for(lambda: set(member.processed()) >= set(stream.acked), 90, "the group to consume every acked record")
-    finally:
-        member.stop()
-    check_all_acked_present(boot, topic_name, 6, stream.acked)
+        drain_and_verify(stream, member, boot, topic_name, 6)
