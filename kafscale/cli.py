@@ -41,7 +41,30 @@ def _run_broker(cfgs: list[config_mod.Config]) -> int:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
+    if args.action:
+        if args.broker_id is None:
+            print(f"kafscale broker {args.action}: which broker id?", file=sys.stderr)
+            return 2
+        return _drain(config_mod.load(args), args.broker_id, args.action == "drain")
     return _run_broker([config_mod.load(args)])
+
+
+def _drain(cfg: config_mod.Config, broker_id: int, draining: bool) -> int:
+    """Mark a broker as draining (or not): the brokers hand its partitions and
+    groups to the others after flushing; it can then be stopped."""
+    from kafscale.metadata.store import MetaStore
+
+    async def go() -> None:
+        meta = MetaStore(cfg.etcd, cfg.cluster)
+        await meta.start()
+        try:
+            await meta.set_draining(broker_id, draining)
+        finally:
+            await meta.close()
+
+    asyncio.run(go())
+    print(f"broker {broker_id} {'is draining' if draining else 'takes work again'}")
+    return 0
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -161,7 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kafscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("broker", help="run a broker against an existing etcd and S3")
+    p = sub.add_parser("broker", help="run a broker against an existing etcd and S3 (or drain one)")
+    p.add_argument("action", nargs="?", choices=["drain", "undrain"],
+                   help="drain ID: hand broker ID's partitions and groups to the others; undrain ID: undo")
+    p.add_argument("broker_id", nargs="?", type=int, metavar="ID")
     config_mod.add_arguments(p)
     p.set_defaults(func=cmd_broker)
 

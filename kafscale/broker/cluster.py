@@ -25,8 +25,10 @@ class Cluster:
         self.brokers: dict[int, tuple[str, int]] = dict([self._own]) if self._own else {}
 
     async def refresh(self) -> None:
-        live = {b: (h, p) for b, h, p in await self.meta.list_brokers()}
-        if self._own:
+        """Live brokers that take work: registered and not being drained."""
+        draining = await self.meta.draining()
+        live = {b: (h, p) for b, h, p in await self.meta.list_brokers() if b not in draining}
+        if self._own and self.me not in draining:
             live.setdefault(*self._own)  # we are alive even if etcd has not caught up
         self.brokers = live
 

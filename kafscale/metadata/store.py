@@ -5,6 +5,7 @@
   segments/{topic}/{p}/{base}    manifest of one committed segment (base 20 digits)
   brokers/{id}                   {"host": ..., "port": ...} on the broker's lease
   owners/{topic}/{p}             id of the broker that owns the partition, on its lease
+  draining/{id}                  present while an operator drains that broker
   producer_ids                   last allocated producer id
   offsets/{group}/{topic}/{p}    {"offset": n, "metadata": str, "leader_epoch": n, "commit_ms": n}
   groups/{group}                 group state of the last completed rebalance (members, assignments)
@@ -158,6 +159,16 @@ class MetaStore:
         if not ok:
             raise Fenced(f"{topic}/{p}")
         return new_raw
+
+    async def set_draining(self, broker_id: int, draining: bool) -> None:
+        if draining:
+            await self.client.put(self.k("draining", broker_id), b"1")
+        else:
+            await self.client.delete(self.k("draining", broker_id))
+
+    async def draining(self) -> set[int]:
+        base = self.k("draining", "")
+        return {int(kv.key[len(base):]) for kv in await self.client.get_prefix(base, keys_only=True)}
 
     async def list_brokers(self) -> list[tuple[int, str, int]]:
         base = self.k("brokers", "")

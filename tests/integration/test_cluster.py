@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -163,3 +165,28 @@ def test_rolling_restart_under_load(make_cluster, topic_name, tmp_path):
         wait_for(lambda: len(stream.acked) > before + 500, 60, "acks after the rolling restart")
     finally:
         drain_and_verify(stream, member, boot, topic_name, 6)
+
+
+def test_drain_hands_everything_over(make_cluster, topic_name, tmp_path):
+    brokers = make_cluster(2, lease_ttl_s=2, balance_interval_ms=500)
+    boot = bootstrap(brokers)
+    name = next(f"{topic_name}-{i}" for i in range(100)
+                if len({rendezvous(f"p|{topic_name}-{i}|{p}", [1, 2]) for p in range(4)}) == 2)
+    create_topic(boot, name, partitions=4)
+    member = Member("confluent", boot, f"g-{name}", name, tmp_path / "m.txt")
+    stream = Stream(boot, name, 4)
+    env = brokers[0].env()
+    try:
+        wait_for(lambda: len(stream.acked) > 500, 60, "acks before the drain")
+        out = subprocess.run([sys.executable, "-m", "kafscale.cli", "broker", "drain", "1"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda: set(leaders(boot, name).values()) == {2}, 30, "broker 1 to hand everything over")
+        assert "handing" in brokers[0].log()
+        before = len(stream.acked)
+        wait_for(lambda: len(stream.acked) > before + 500, 60, "acks while broker 1 is drained")
+        subprocess.run([sys.executable, "-m", "kafscale.cli", "broker", "undrain", "1"], env=env, check=True,
+                       capture_output=True, timeout=60)
+        wait_for(lambda: set(leaders(boot, name).values()) == {1, 2}, 30, "broker 1 to take work again")
+    finally:
+        drain_and_verify(stream, member, boot, name, 4)
