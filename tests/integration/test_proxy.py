@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from confluent_kafka.admin import AdminClient
 
+from kafscale.broker.cluster import rendezvous
 from tests.conftest import BrokerProcess
 from tests.integration.clients import create_topic, kcat
 from tests.integration.test_cluster import Stream, drain_and_verify, leaders
@@ -26,6 +27,9 @@ def test_clients_only_know_the_proxy(make_cluster, topic_name, tmp_path, stack):
         wait_for(lambda: len(stream.acked) > before + 1000, 60, "acks after a broker died")
         extra.start()
         brokers[1].start()
+        placement = {p: rendezvous(f"p|{topic_name}|{p}", [1, 2, 3, 4]) for p in range(6)}
+        wait_for(lambda: leaders(brokers[0].bootstrap, topic_name) == placement, 30,
+                 "partitions to move to their places over four brokers (no data copied)")
         before = len(stream.acked)
         wait_for(lambda: len(stream.acked) > before + 1000, 60, "acks after scaling up")
     finally:
