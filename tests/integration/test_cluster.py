@@ -190,3 +190,4 @@ def test_drain_hands_everything_over(make_cluster, topic_name, tmp_path):
         wait_for(lambda: set(leaders(boot, name).values()) == {1, 2}, 30, "broker 1 to take work again")
     finally:
         drain_and_verify(stream, member, boot, name, 4)
+    assert stream.failed == 0, "a drain causes only retriable errors, which the producer retries"
