@@ -181,8 +181,8 @@ def test_drain_hands_everything_over(make_cluster, topic_name, tmp_path):
         out = subprocess.run([sys.executable, "-m", "kafscale.cli", "broker", "drain", "1"], env=env,
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        wait_for(lambda: set(leaders(boot, name).values()) == {2}, 30, "broker 1 to hand everything over")
-        assert "handing" in brokers[0].log()
+        wait_for(lambda: set(leaders(boot, name).values()) == {2}, 30, "metadata to name only broker 2")
+        wait_for(lambda: "handing" in brokers[0].log(), 30, "broker 1 to flush and hand its partitions over")
         before = len(stream.acked)
         wait_for(lambda: len(stream.acked) > before + 500, 60, "acks while broker 1 is drained")
         subprocess.run([sys.executable, "-m", "kafscale.cli", "broker", "undrain", "1"], env=env, check=True,
