@@ -152,10 +152,18 @@ class MetaStore:
                             dropped: list[int]) -> bytes:
         """Advance the log start offset and forget the manifests of deleted segments."""
         tx = self.client.transactions
+        return await self._fenced_update(topic, p, expected_raw, new_state,
+                                         [tx.delete(self.k("segments", topic, p, f"{b:020d}")) for b in dropped])
+
+    async def _fenced_update(self, topic: str, p: int, expected_raw: bytes, new_state: PartitionState,
+                             ops: list[Any]) -> bytes:
+        """Write the partition's new state (with `ops`) only if it still holds
+        exactly what this owner last wrote; otherwise raise Fenced."""
+        tx = self.client.transactions
         key = self.k("partitions", topic, p)
         new_raw = new_state.to_json()
-        ops = [tx.put(key, new_raw)] + [tx.delete(self.k("segments", topic, p, f"{b:020d}")) for b in dropped]
-        ok, _ = await self.client.transaction(compare=[tx.value(key) == expected_raw], success=ops, failure=[])
+        ok, _ = await self.client.transaction(compare=[tx.value(key) == expected_raw],
+                                              success=[*ops, tx.put(key, new_raw)], failure=[])
         if not ok:
             raise Fenced(f"{topic}/{p}")
         return new_raw
@@ -204,17 +212,10 @@ class MetaStore:
     async def commit_segment(self, topic: str, p: int, expected_raw: bytes, new_state: PartitionState,
                              manifest: SegmentManifest) -> bytes:
         """Atomically record a segment and move the high watermark."""
-        new_raw = new_state.to_json()
         tx = self.client.transactions
-        key = self.k("partitions", topic, p)
-        ok, _ = await self.client.transaction(
-            compare=[tx.value(key) == expected_raw],
-            success=[tx.put(self.k("segments", topic, p, f"{manifest.base:020d}"), manifest.to_json()),
-                     tx.put(key, new_raw)],
-            failure=[])
-        if not ok:
-            raise Fenced(f"{topic}/{p}")
-        return new_raw
+        return await self._fenced_update(topic, p, expected_raw, new_state,
+                                         [tx.put(self.k("segments", topic, p, f"{manifest.base:020d}"),
+                                                 manifest.to_json())])
 
     async def list_segments(self, topic: str, p: int) -> list[SegmentManifest]:
         out = [SegmentManifest(**json.loads(kv.value))
