@@ -49,6 +49,9 @@ class SegmentCache:
         self.hits = 0
         self.misses = 0
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
     def get(self, key: str) -> CachedSegment | None:
         seg = self._items.get(key)
         if seg is None:

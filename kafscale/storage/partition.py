@@ -66,7 +66,6 @@ class PartitionLog:
         self.store = store
         self.meta = meta
         self.cache = cache
-        self.prefix = f"{cfg.namespace}/{topic}/{partition}/"
         self.segment_bytes = cfg.segment_bytes  # the topic's segment.bytes
         self.hw = 0
         self.log_start = 0
@@ -328,12 +327,8 @@ class PartitionLog:
 
     async def _read_segment(self, m: SegmentManifest, offset: int, max_bytes: int) -> tuple[memoryview | bytes, bool]:
         """Batches of one segment from `offset`; and whether they reach its end."""
-        cached = self.cache.get(m.key)
-        if cached is None and m.size <= self.cfg.cache_bytes // 8:
-            cached = CachedSegment.from_object(await self.store.get(m.key))
-            self.cache.put(m.key, cached)
-        if cached is not None:
-            return cached.slice_from(offset, max_bytes)
+        if m.key in self.cache or m.size <= self.cfg.cache_bytes // 8:
+            return (await self._whole(m)).slice_from(offset, max_bytes)
         return await self._ranged_read(m, offset, max_bytes)
 
     async def _ranged_read(self, m: SegmentManifest, offset: int, max_bytes: int) -> tuple[bytes, bool]:
@@ -371,11 +366,16 @@ class PartitionLog:
             size = int.from_bytes(data[pos + 8:pos + 12], "big") + _native.LOG_OVERHEAD
             data = await self.store.get(m.key, start, min(start + pos + size, body_end))
 
-    async def _load(self, m: SegmentManifest) -> tuple[memoryview, list[_native.BatchInfo]]:
+    async def _whole(self, m: SegmentManifest) -> CachedSegment:
+        """The whole segment, from the cache or with one GET (then cached)."""
         seg = self.cache.get(m.key)
         if seg is None:
             seg = CachedSegment.from_object(await self.store.get(m.key))
             self.cache.put(m.key, seg)
+        return seg
+
+    async def _load(self, m: SegmentManifest) -> tuple[memoryview, list[_native.BatchInfo]]:
+        seg = await self._whole(m)
         body = memoryview(seg.data)[HEADER_SIZE:seg.body_end]
         return body, _native.scan_batches(body)
 
