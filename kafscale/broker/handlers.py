@@ -168,7 +168,10 @@ class Broker:
         self.topics[meta.name] = meta
         for (name, _), lg in self.logs.items():
             if name == meta.name:
-                lg.segment_bytes = topic_config.value(meta.config, "segment.bytes", self.cfg)
+                self._configure(lg, meta)
+
+    def _configure(self, lg: PartitionLog, meta: TopicMeta) -> None:
+        lg.segment_bytes = topic_config.value(meta.config, "segment.bytes", self.cfg)
 
     def _notify_commit(self) -> None:
         self._commit_event.set()
@@ -194,7 +197,7 @@ class Broker:
             lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self._notify_commit)
             meta = self.topics.get(topic)
             if meta is not None:
-                lg.segment_bytes = topic_config.value(meta.config, "segment.bytes", self.cfg)
+                self._configure(lg, meta)
             await lg.open()
             self.logs[key] = lg
             fut.set_result(lg)
@@ -214,9 +217,7 @@ class Broker:
 
     # ------------------------------------------------------------ ApiVersions
     async def api_versions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        keys = [{"api_key": a.key, "min_version": a.min_version, "max_version": a.max_version}
-                for a in sorted(schemas.APIS.values(), key=lambda a: a.key)]
-        return {"error_code": 0, "api_keys": keys, "throttle_time_ms": 0}
+        return schemas.api_versions_response()
 
     # --------------------------------------------------------------- Metadata
     def _broker_list(self) -> list[dict[str, Any]]:

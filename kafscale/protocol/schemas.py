@@ -6,6 +6,7 @@ advertises exactly these ranges."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kafscale.protocol.codec import Message, parse_schema
 
@@ -600,3 +601,10 @@ APIS: dict[int, Api] = {a.key: a for a in (
     INIT_PRODUCER_ID, OFFSET_FOR_LEADER_EPOCH, DESCRIBE_CONFIGS, ALTER_CONFIGS, CREATE_PARTITIONS, DELETE_GROUPS,
     INCREMENTAL_ALTER_CONFIGS, DESCRIBE_CLUSTER,
 )}
+
+
+def api_versions_response() -> dict[str, Any]:
+    """The ApiVersions answer: exactly the ranges in APIS."""
+    keys = [{"api_key": a.key, "min_version": a.min_version, "max_version": a.max_version}
+            for a in sorted(APIS.values(), key=lambda a: a.key)]
+    return {"error_code": 0, "api_keys": keys, "throttle_time_ms": 0}

@@ -124,9 +124,7 @@ class Proxy:
 
     # -------------------------------------------------------------- handlers
     async def api_versions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        keys = [{"api_key": a.key, "min_version": a.min_version, "max_version": a.max_version}
-                for a in sorted(schemas.APIS.values(), key=lambda a: a.key)]
-        return {"error_code": 0, "api_keys": keys, "throttle_time_ms": 0}
+        return schemas.api_versions_response()
 
     def _me(self) -> dict[str, Any]:
         host, port = self.cfg.advertised_addr()
