@@ -263,35 +263,36 @@ class Broker:
         acks = req["acks"]
         results: list[tuple[dict[str, Any], asyncio.Future[int] | None]] = []
         responses = []
-        for td in req["topic_data"]:
-            parts = []
-            meta = await self.topic(td["name"], auto_create=True)
-            for pd in td["partition_data"]:
-                r = {"index": pd["index"], "error_code": 0, "base_offset": -1, "log_append_time_ms": -1,
-                     "log_start_offset": -1, "record_errors": [], "error_message": None}
-                parts.append(r)
-                fut = None
-                try:
-                    if acks not in (0, 1, -1):
-                        raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
-                    if req.get("transactional_id") is not None:
-                        raise LogError(ErrorCode.INVALID_REQUEST, "transactions are not supported")
-                    if meta is None or not 0 <= pd["index"] < meta.partitions:
-                        raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{td['name']}/{pd['index']}")
-                    payload = pd["records"]
-                    if payload is None or len(payload) == 0:
-                        raise LogError(ErrorCode.INVALID_RECORD, "no records")
-                    batches = self._validate(payload, topic_config.value(meta.config, "max.message.bytes",
-                                                                         self.cfg))
-                    lg = await self.partition_log(meta.name, pd["index"])
-                    base, fut = lg.append(payload, batches, acks != 0)
-                    r["base_offset"] = base
-                    r["log_start_offset"] = lg.log_start
-                except LogError as exc:
-                    r["error_code"], r["error_message"] = exc.code, str(exc)
-                    log.info("produce %s/%s rejected: %s %s", td["name"], pd["index"], exc.code.name, exc)
-                results.append((r, fut))
-            responses.append({"name": td["name"], "partition_responses": parts})
+        async with hdr.append_order:  # appends in the order the connection sent them
+            for td in req["topic_data"]:
+                parts = []
+                meta = await self.topic(td["name"], auto_create=True)
+                for pd in td["partition_data"]:
+                    r = {"index": pd["index"], "error_code": 0, "base_offset": -1, "log_append_time_ms": -1,
+                         "log_start_offset": -1, "record_errors": [], "error_message": None}
+                    parts.append(r)
+                    fut = None
+                    try:
+                        if acks not in (0, 1, -1):
+                            raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
+                        if req.get("transactional_id") is not None:
+                            raise LogError(ErrorCode.INVALID_REQUEST, "transactions are not supported")
+                        if meta is None or not 0 <= pd["index"] < meta.partitions:
+                            raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{td['name']}/{pd['index']}")
+                        payload = pd["records"]
+                        if payload is None or len(payload) == 0:
+                            raise LogError(ErrorCode.INVALID_RECORD, "no records")
+                        batches = self._validate(payload, topic_config.value(meta.config, "max.message.bytes",
+                                                                             self.cfg))
+                        lg = await self.partition_log(meta.name, pd["index"])
+                        base, fut = lg.append(payload, batches, acks != 0)
+                        r["base_offset"] = base
+                        r["log_start_offset"] = lg.log_start
+                    except LogError as exc:
+                        r["error_code"], r["error_message"] = exc.code, str(exc)
+                        log.info("produce %s/%s rejected: %s %s", td["name"], pd["index"], exc.code.name, exc)
+                    results.append((r, fut))
+                responses.append({"name": td["name"], "partition_responses": parts})
         if acks == 0:
             return None
         await self._await_durable(results, req["timeout_ms"] / 1000)

@@ -71,6 +71,7 @@ class KafkaServer:
         conn = next(_conn_ids)
         peer = writer.get_extra_info("peername")
         client_host = f"/{peer[0]}" if isinstance(peer, tuple) else ""
+        append_order = asyncio.Lock()
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -82,7 +83,7 @@ class KafkaServer:
                 if frame is None:
                     break
                 hdr, body_at = self._parse_header(frame)
-                hdr.client_host = client_host
+                hdr.client_host, hdr.append_order = client_host, append_order
                 await queue.put(asyncio.create_task(self._handle(hdr, frame, body_at)))
         except ProtocolViolation as exc:
             log.warning("conn %d from %s: closing: %s", conn, peer, exc)

@@ -6,8 +6,9 @@ and, for flexible versions, v2 (plus tagged fields). Responses carry v0
 ApiVersions response always uses v0 so that any client can read it."""
 from __future__ import annotations
 
+import asyncio
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kafscale.protocol.codec import DecodeError, Reader, Writer
@@ -26,6 +27,9 @@ class RequestHeader:
     client_id: str | None
     flexible: bool
     client_host: str = ""
+    # One per connection: Kafka handles a connection's requests one at a time,
+    # so clients rely on pipelined produces being appended in send order.
+    append_order: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def parse_request_header(frame: memoryview) -> tuple[RequestHeader, int]:

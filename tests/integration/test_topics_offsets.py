@@ -18,7 +18,8 @@ from confluent_kafka.admin import AdminClient
 from kafscale import _native
 from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.schemas import CREATE_TOPICS, FETCH, LIST_OFFSETS
+from kafscale.protocol.framing import decode_response, encode_request
+from kafscale.protocol.schemas import CREATE_TOPICS, FETCH, LIST_OFFSETS, PRODUCE
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic, sample_records
 from tests.integration.rawclient import RawClient
 
@@ -175,6 +176,31 @@ def test_reads_from_s3_with_no_cache(make_broker, topic_name):
     # start in the middle of a big segment: the index narrows the ranged read
     mid = confluent_consume(b.bootstrap, topic_name, 100, start=2500)
     assert [o for o, _ in mid] == list(range(2500, 2600)) and [r for _, r in mid] == sent[2500:2600]
+
+
+def test_pipelined_produces_append_in_send_order(make_broker, topic_name):
+    """Produces pipelined on one connection are appended in the order sent, even
+    when the first one has to wait for the partition to be opened (as in Kafka,
+    which handles a connection's requests one at a time)."""
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name)
+    c = RawClient(b.bootstrap)
+    sizes = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]
+    for corr, n in enumerate(sizes):
+        batch = _native.build_batch([(1000, f"{corr}-{i}".encode(), b"v", []) for i in range(n)])
+        body = {"acks": -1, "timeout_ms": 10000,
+                "topic_data": [{"name": topic_name, "partition_data": [{"index": 0, "records": batch}]}]}
+        c.send_bytes(encode_request(PRODUCE.key, 9, corr, body))
+        time.sleep(0.002)  # spread them over the broker's topic and partition lookups
+    bases = []
+    for corr in range(len(sizes)):
+        frame = c.read_frame()
+        assert frame is not None
+        got_corr, resp = decode_response(PRODUCE.key, 9, frame)
+        assert got_corr == corr
+        bases.append(resp["responses"][0]["partition_responses"][0]["base_offset"])
+    c.close()
+    assert bases == [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 def test_restart_serves_from_s3(make_broker, topic_name):
