@@ -19,6 +19,18 @@ import zlib
 cdef extern from "crc32c_impl.h":
     uint32_t ks_crc32c(uint32_t crc, const uint8_t *p, size_t n, int force_sw) nogil
 
+cdef extern from *:
+    """
+    static inline uint64_t ks_load_u64(const unsigned char *p) {
+        return __atomic_load_n((const uint64_t *)p, __ATOMIC_SEQ_CST);
+    }
+    static inline void ks_store_u64(unsigned char *p, uint64_t v) {
+        __atomic_store_n((uint64_t *)p, v, __ATOMIC_SEQ_CST);
+    }
+    """
+    uint64_t ks_load_u64(const uint8_t *p) nogil
+    void ks_store_u64(uint8_t *p, uint64_t v) nogil
+
 # Kafka error codes raised by validation.
 CORRUPT_MESSAGE = 2
 INVALID_RECORD = 87
@@ -41,6 +53,21 @@ class BatchError(ValueError):
     def __init__(self, int code, str message):
         super().__init__(message)
         self.code = code
+
+
+def atomic_load(const uint8_t[::1] buf, Py_ssize_t pos):
+    """Sequentially consistent load of the aligned u64 at `pos` of a buffer
+    shared between processes (ring and cache cursors)."""
+    if pos < 0 or pos + 8 > buf.shape[0] or pos % 8:
+        raise ValueError(f"bad u64 position {pos}")
+    return ks_load_u64(&buf[pos])
+
+
+def atomic_store(uint8_t[::1] buf, Py_ssize_t pos, uint64_t value):
+    """Sequentially consistent store of an aligned u64 (see atomic_load)."""
+    if pos < 0 or pos + 8 > buf.shape[0] or pos % 8:
+        raise ValueError(f"bad u64 position {pos}")
+    ks_store_u64(&buf[pos], value)
 
 
 cdef uint32_t _crc(const uint8_t[::1] data, uint32_t crc, int force_sw):
@@ -309,14 +336,18 @@ cdef BatchInfo read_header(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, bin
     return b
 
 
-def scan_batches(const uint8_t[::1] buf, bint verify=False):
+def scan_batches(const uint8_t[::1] buf, bint verify=False, bint partial=False):
     """Headers of every RecordBatch packed back to back in `buf`.
 
-    With verify, each CRC is checked. Raises BatchError on any defect."""
+    With verify, each CRC is checked. With partial, an incomplete batch at
+    the end (a ranged read that stopped mid-batch) ends the scan instead of
+    being an error. Raises BatchError on any defect."""
     cdef Py_ssize_t pos = 0, end = buf.shape[0]
     cdef const uint8_t *p = &buf[0] if end else NULL
     out = []
     while pos < end:
+        if partial and (end - pos < BATCH_HEADER_SIZE or rd_i32(p + pos + 8) + LOG_OVERHEAD > end - pos):
+            break
         b = read_header(p, pos, end, verify)
         out.append(b)
         pos += b.size
