@@ -1,12 +1,18 @@
-"""End-to-end produce benchmark against one real SeaweedFS, in one run:
+"""End-to-end benchmark against one real SeaweedFS, in one run:
 
-1. raw S3 PUT MB/s: 8 MiB objects, one PUT at a time, aioboto3 (the baseline);
-2. broker produce MB/s: librdkafka producer, acks=all, 1 KiB records;
+1. raw S3 PUT MB/s: 8 MiB objects, one PUT at a time, aioboto3 (the baseline),
+   and the PUT latency of 64 KiB objects;
+2. broker produce MB/s: librdkafka producer, acks=all, 1 KiB records, with
+   --workers workers and again with 1 worker (scaling);
 3. broker produce records/s with 100-byte records;
+4. acks=all latency of single records at a low rate (histogram, p99), against
+   linger + 2 x the 64 KiB PUT p99;
+5. consume catch-up from a freshly started broker (cold cache) against raw
+   S3 GET MB/s of the same segment objects;
 
-then prints each broker figure as a ratio of the baseline.
+and prints each broker figure as a ratio of its baseline.
 
-    python bench/e2e.py [--mib 256] [--partitions 1]
+    python bench/e2e.py [--mib 256] [--partitions 1] [--workers 2]
 """
 from __future__ import annotations
 
@@ -21,34 +27,52 @@ import time
 import uuid
 from pathlib import Path
 
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY, DevStack, free_port
 from kafscale.storage.objectstore import ObjectStore
 
 
+def _store(stack: DevStack) -> ObjectStore:
+    return ObjectStore(stack.bucket, stack.s3_endpoint, access_key=DEV_ACCESS_KEY, secret_key=DEV_SECRET_KEY,
+                       multipart_threshold=1 << 40)
+
+
 async def raw_put_mbps(stack: DevStack, total_mib: int, object_mib: int = 8) -> tuple[float, list[float]]:
-    store = ObjectStore(stack.bucket, stack.s3_endpoint, access_key=DEV_ACCESS_KEY, secret_key=DEV_SECRET_KEY,
-                        multipart_threshold=1 << 40)
+    """MiB/s of sequential 8 MiB PUTs, and the latencies of 200 PUTs of 64 KiB."""
     data = os.urandom(object_mib << 20)
     latencies = []
-    async with store:
+    async with _store(stack) as store:
         await store.put(f"bench/warmup-{uuid.uuid4()}", data[:1 << 20], if_none_match=False)
         t0 = time.perf_counter()
-        for i in range(max(total_mib // object_mib, 1)):
-            t = time.perf_counter()
+        n = max(total_mib // object_mib, 1)
+        for i in range(n):
             await store.put(f"bench/raw-{uuid.uuid4()}-{i}", data)
-            latencies.append(time.perf_counter() - t)
         elapsed = time.perf_counter() - t0
+        for i in range(200):
+            t = time.perf_counter()
+            await store.put(f"bench/small-{uuid.uuid4()}-{i}", data[:64 << 10])
+            latencies.append(time.perf_counter() - t)
         await store.delete_prefix("bench/")
-    return len(latencies) * object_mib / elapsed, latencies
+    return n * object_mib / elapsed, sorted(latencies)
 
 
-def start_broker(stack: DevStack, logdir: Path, **cfg: str) -> tuple[subprocess.Popen, str]:
+async def raw_get_mbps(stack: DevStack, prefix: str) -> float:
+    """MiB/s of sequential whole-object GETs of every segment under prefix."""
+    async with _store(stack) as store:
+        keys = [o["Key"] for o in await store.list(prefix) if o["Key"].endswith(".kfs")]
+        t0 = time.perf_counter()
+        total = 0
+        for k in keys:
+            total += len(await store.get(k))
+        return total / (time.perf_counter() - t0) / (1 << 20)
+
+
+def start_broker(stack: DevStack, logdir: Path, cluster: str, **cfg: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, **stack.broker_env(), KAFSCALE_LISTEN=f"127.0.0.1:{port}",
-               KAFSCALE_CLUSTER=f"bench{uuid.uuid4().hex[:6]}", KAFSCALE_LOG_LEVEL="WARNING",
+               KAFSCALE_CLUSTER=cluster, KAFSCALE_NAMESPACE=cluster, KAFSCALE_LOG_LEVEL="WARNING",
                **{f"KAFSCALE_{k.upper()}": v for k, v in cfg.items()})
     log = open(logdir / f"broker-{port}.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", "broker"], env=env, stdout=log,
@@ -94,36 +118,115 @@ def produce(bootstrap: str, topic: str, partitions: int, record_size: int, total
     return elapsed, n
 
 
+def latencies(bootstrap: str, topic: str, n: int = 500, gap_s: float = 0.01) -> list[float]:
+    """acks=all latency of n single 1 KiB records sent gap_s apart."""
+    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5})
+    out: list[float] = []
+    value = os.urandom(1024)
+    for _ in range(n):
+        t = time.perf_counter()
+        p.produce(topic, value=value, on_delivery=lambda err, _m, t=t: out.append(time.perf_counter() - t))
+        p.poll(gap_s)
+    p.flush(60)
+    return sorted(out)
+
+
+def consume_mbps(bootstrap: str, topic: str, partitions: int) -> tuple[float, int]:
+    """MiB/s of reading a whole topic from the beginning with librdkafka."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench", "enable.auto.commit": False,
+                  "fetch.max.bytes": 64 << 20, "max.partition.fetch.bytes": 16 << 20})
+    md = c.list_topics(topic, timeout=10).topics[topic].partitions
+    ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in md}
+    c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    done: dict[int, int] = {p: 0 for p in ends}
+    total = 0
+    t0 = time.perf_counter()
+    while any(done[p] < ends[p] for p in ends):
+        for m in c.consume(10000, 1.0):
+            if m.error() is None:
+                total += len(m.value() or b"")
+                done[m.partition()] = m.offset() + 1
+    elapsed = time.perf_counter() - t0
+    c.close()
+    return total / elapsed / (1 << 20), sum(ends.values())
+
+
+def histogram(lat: list[float]) -> str:
+    edges = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, float("inf")]
+    counts = [0] * len(edges)
+    for x in lat:
+        counts[next(i for i, e in enumerate(edges) if x <= e)] += 1
+    rows = []
+    lo = 0.0
+    for e, c in zip(edges, counts, strict=True):
+        label = f"{lo * 1000:4.0f}-{e * 1000:4.0f} ms" if e != float("inf") else f"   > {lo * 1000:4.0f} ms"
+        rows.append(f"  {label} {c:6d} {'#' * (c * 50 // max(len(lat), 1))}")
+        lo = e
+    return "\n".join(rows)
+
+
+def pct(xs: list[float], q: float) -> float:
+    return xs[min(int(len(xs) * q), len(xs) - 1)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="MiB to write in each measurement")
     ap.add_argument("--partitions", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
+    linger_ms = 5
     with tempfile.TemporaryDirectory(prefix="kafscale-bench-") as tmp:
         stack = DevStack(data_dir=tmp).start()
         try:
-            raw, lat = asyncio.run(raw_put_mbps(stack, args.mib))
-            lat.sort()
-            proc, bootstrap = start_broker(stack, Path(tmp))
-            try:
-                admin = AdminClient({"bootstrap.servers": bootstrap})
-                for t in ("bench1k", "bench100"):
-                    admin.create_topics([NewTopic(t, args.partitions, 1)])[t].result(30)
-                secs, n = produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
-                mbps = n * 1024 / secs / (1 << 20)
-                secs100, n100 = produce(bootstrap, "bench100", args.partitions, 100, min(args.mib, 64) << 20)
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(30)
+            raw, put_lat = asyncio.run(raw_put_mbps(stack, args.mib))
+            produced: dict[int, float] = {}
+            for workers in sorted({args.workers, 1}, reverse=True):
+                cluster = f"bench{uuid.uuid4().hex[:6]}"
+                proc, bootstrap = start_broker(stack, Path(tmp), cluster, workers=str(workers),
+                                               linger_ms=str(linger_ms))
+                try:
+                    admin = AdminClient({"bootstrap.servers": bootstrap})
+                    for t in ("bench1k", "bench100", "latency"):
+                        admin.create_topics([NewTopic(t, args.partitions, 1)])[t].result(30)
+                    secs, n = produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
+                    produced[workers] = n * 1024 / secs / (1 << 20)
+                    if workers != args.workers:
+                        continue
+                    mbps, n1k = produced[workers], n
+                    secs100, n100 = produce(bootstrap, "bench100", args.partitions, 100, min(args.mib, 64) << 20)
+                    lat = latencies(bootstrap, "latency")
+                finally:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(60)
+                if workers == args.workers:  # a fresh broker: nothing of bench1k is in its cache
+                    get = asyncio.run(raw_get_mbps(stack, f"{cluster}/bench1k/"))
+                    proc, bootstrap = start_broker(stack, Path(tmp), cluster, workers=str(workers))
+                    try:
+                        cold, _ = consume_mbps(bootstrap, "bench1k", args.partitions)
+                    finally:
+                        proc.send_signal(signal.SIGTERM)
+                        proc.wait(60)
         finally:
             stack.stop()
-    print(f"raw S3 PUT (8 MiB objects, 1 in flight): {raw:8.1f} MiB/s  "
-          f"p50 {lat[len(lat) // 2] * 1000:.0f} ms  p99 {lat[int(len(lat) * 0.99)] * 1000:.0f} ms")
-    print(f"broker produce 1 KiB records, acks=all:  {mbps:8.1f} MiB/s  ({n} records, {args.partitions} partition(s))")
+    put_p99 = pct(put_lat, 0.99)
+    print(f"raw S3 PUT (8 MiB objects, 1 in flight): {raw:8.1f} MiB/s;  64 KiB PUT p50 "
+          f"{pct(put_lat, 0.5) * 1000:.1f} ms  p99 {put_p99 * 1000:.1f} ms")
+    print(f"broker produce 1 KiB records, acks=all:  {mbps:8.1f} MiB/s  ({n1k} records, {args.partitions} "
+          f"partition(s), {args.workers} workers)")
     print(f"ratio broker / raw PUT:                  {mbps / raw:8.2f}")
     mbps100 = n100 * 100 / secs100 / (1 << 20)
     print(f"broker produce 100 B records, acks=all:  {n100 / secs100:8.0f} records/s "
           f"({mbps100:.1f} MiB/s, ratio to raw PUT {mbps100 / raw:.2f})")
+    if 1 in produced and args.workers != 1:
+        print(f"workers scale: 1 KiB produce with {args.workers} workers / 1 worker: "
+              f"{produced[args.workers]:.1f} / {produced[1]:.1f} MiB/s = {produced[args.workers] / produced[1]:.2f}")
+    bound = linger_ms / 1000 + 2 * put_p99
+    print(f"acks=all latency, single 1 KiB records: p50 {pct(lat, 0.5) * 1000:.1f} ms  p99 {pct(lat, 0.99) * 1000:.1f}"
+          f" ms  (bound linger + 2 x PUT p99 = {bound * 1000:.1f} ms; p99 / bound = {pct(lat, 0.99) / bound:.2f})")
+    print(histogram(lat))
+    print(f"consume catch-up, cold cache:            {cold:8.1f} MiB/s  vs raw S3 GET {get:.1f} MiB/s "
+          f"= {cold / get:.2f}")
 
 
 if __name__ == "__main__":

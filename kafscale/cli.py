@@ -35,9 +35,10 @@ def _serve(main: Any, log_level: str) -> int:
 
 
 def _run_broker(cfgs: list[config_mod.Config]) -> int:
-    from kafscale.broker.node import run_until_signal
+    from kafscale.broker.supervisor import run_nodes
 
-    return _serve(run_until_signal(cfgs), cfgs[0].log_level)
+    _setup_logging(cfgs[0].log_level)
+    return run_nodes(cfgs)
 
 
 def cmd_broker(args: argparse.Namespace) -> int:

@@ -32,7 +32,12 @@ class Config:
     linger_ms: int = _opt(5, "how long a partition gathers batches before it flushes a segment")
     segment_bytes: int = _opt(16 * 1024 * 1024, "largest segment a flush builds")
     multipart_threshold: int = _opt(16 * 1024 * 1024, "segments above this size upload as multipart")
-    cache_bytes: int = _opt(256 * 1024 * 1024, "in-memory cache of recent segments for Fetch")
+    cache_bytes: int = _opt(256 * 1024 * 1024, "shared-memory cache of recent segments that workers serve Fetch from")
+    s3_timeout_s: int = _opt(30, "longest one attempt at uploading a segment may take before it is retried")
+    readahead_bytes: int = _opt(4 * 1024 * 1024, "size of each ranged S3 GET (and read-ahead) for uncached segments")
+    workers: int = _opt(0, "protocol worker processes (0: one per CPU core)")
+    ring_bytes: int = _opt(64 * 1024 * 1024, "shared-memory produce buffer per worker; when full, produce gets "
+                           "a retriable error (backpressure)")
     max_request_bytes: int = _opt(100 * 1024 * 1024, "largest request frame accepted")
     max_message_bytes: int = _opt(1024 * 1024 + 1024, "largest record batch accepted (max.message.bytes)")
     lease_ttl_s: int = _opt(6, "etcd lease TTL: a dead broker's partitions move after about this long")

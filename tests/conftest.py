@@ -24,6 +24,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
     s.stop()
 
 
+_READY = "workers)"  # the supervisor's "Kafka listener on HOST:PORT (N workers)"
+
+
 class BrokerProcess:
     """One `kafscale broker` process; restartable on the same port and cluster."""
 
@@ -55,28 +58,48 @@ class BrokerProcess:
             env[f"KAFSCALE_{k.upper()}"] = str(v)
         return env
 
+    def _ready(self, ready_lines: int) -> bool:
+        """A broker is up once its supervisor reports every worker listening; a proxy when it accepts."""
+        if self.command == "broker":
+            return self.log().count(_READY) > ready_lines
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
+
     def start(self) -> BrokerProcess:
+        ready_lines = self.log().count(_READY)
         out = open(self.logfile, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", self.command], env=self.env(),
-                                     stdout=out, stderr=subprocess.STDOUT)
+                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"broker exited {self.proc.returncode}: {self.log()[-2000:]}")
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return self
+            if self._ready(ready_lines):
+                return self
             time.sleep(0.05)
         raise RuntimeError(f"broker did not listen: {self.log()[-2000:]}")
 
     def kill(self) -> None:
+        """SIGKILL the whole node: supervisor, log process and workers."""
+        self.signal(signal.SIGKILL)
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
     def signal(self, sig: int) -> None:
+        """Signal every process of the node (its own process group)."""
         assert self.proc is not None
-        self.proc.send_signal(sig)
+        os.killpg(self.proc.pid, sig)
+
+    @staticmethod
+    def signal_pid(pid: int, sig: int) -> None:
+        os.kill(pid, sig)
+
+    def children(self) -> list[int]:
+        """Pids of the supervisor's children (the log process first, then the workers)."""
+        assert self.proc is not None
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid), "--sort", "start_time"],
+                             capture_output=True, text=True).stdout
+        return [int(x) for x in out.split()]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -84,8 +107,7 @@ class BrokerProcess:
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.kill()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

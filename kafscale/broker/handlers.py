@@ -16,19 +16,22 @@ from kafscale.config import Config
 from kafscale.groups.api import GroupApi
 from kafscale.groups.coordinator import GroupCoordinator
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import MetaStore, TopicExists, TopicMeta
+from kafscale.metadata.store import MetaStore, SegmentManifest, TopicExists, TopicMeta
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
-from kafscale.storage.cache import SegmentCache
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, PartitionLog
+from kafscale.storage.reader import SegmentSource
 
 log = logging.getLogger(__name__)
 
 _TOPIC_RE = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")
 
 Handler = Callable[[RequestHeader, dict[str, Any]], Awaitable[dict[str, Any] | None]]
+# A produce payload a worker validated and put in shared memory, and how to
+# hand that memory back; or the error the worker found instead.
+Accepted = tuple[memoryview, Callable[[], None]]
 
 
 def topic_name_error(name: str) -> str | None:
@@ -38,24 +41,25 @@ def topic_name_error(name: str) -> str | None:
 
 
 class Broker:
-    """Owns the partition logs of one node and answers Kafka requests."""
+    """The log process's side of a node: owns its partition logs and answers
+    every Kafka request except ApiVersions and Fetch (which protocol workers
+    answer themselves). Produce arrives with its payloads already validated."""
 
-    def __init__(self, cfg: Config, store: ObjectStore, meta: MetaStore) -> None:
+    def __init__(self, cfg: Config, store: ObjectStore, meta: MetaStore, cache: SegmentSource) -> None:
         self.cfg = cfg
         self.store = store
         self.meta = meta
-        self.cache = SegmentCache(cfg.cache_bytes)
+        self.cache = cache
+        # told when a partition log commits a segment, moves its start or closes
+        self.on_change: Callable[[PartitionLog, SegmentManifest | None], None] = lambda lg, m: None
         self.logs: dict[tuple[str, int], PartitionLog] = {}
         self._opening: dict[tuple[str, int], asyncio.Future[PartitionLog]] = {}
         self.topics: dict[str, TopicMeta] = {}
-        self._commit_event = asyncio.Event()
         self._retention: asyncio.Task[None] | None = None
         self._balancer: asyncio.Task[None] | None = None
         self.handlers: dict[int, Handler] = {
-            schemas.API_VERSIONS.key: self.api_versions,
             schemas.METADATA.key: self.metadata,
             schemas.PRODUCE.key: self.produce,
-            schemas.FETCH.key: self.fetch,
             schemas.LIST_OFFSETS.key: self.list_offsets,
             schemas.CREATE_TOPICS.key: self.create_topics,
             schemas.DELETE_TOPICS.key: self.delete_topics,
@@ -175,7 +179,6 @@ class Broker:
 
     def _notify_commit(self) -> None:
         self._commit_event.set()
-        self._commit_event = asyncio.Event()
 
     async def partition_log(self, topic: str, p: int) -> PartitionLog:
         key = (topic, p)
@@ -194,7 +197,8 @@ class Broker:
             if not await self.meta.claim_owner(topic, p, self.cfg.node_id, self.lease):
                 owner = await self.meta.owner_of(topic, p)
                 raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} is still owned by broker {owner}")
-            lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self._notify_commit)
+            lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache,
+                              lambda lg, m: self.on_change(lg, m))
             meta = self.topics.get(topic)
             if meta is not None:
                 self._configure(lg, meta)
@@ -214,10 +218,6 @@ class Broker:
             raise err from exc
         finally:
             del self._opening[key]
-
-    # ------------------------------------------------------------ ApiVersions
-    async def api_versions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        return schemas.api_versions_response()
 
     # --------------------------------------------------------------- Metadata
     def _broker_list(self) -> list[dict[str, Any]]:
@@ -272,41 +272,38 @@ class Broker:
                          "log_start_offset": -1, "record_errors": [], "error_message": None}
                     parts.append(r)
                     fut = None
+                    accepted: Accepted | LogError | None = pd["records"]
                     try:
+                        if isinstance(accepted, LogError):
+                            raise accepted
                         if acks not in (0, 1, -1):
                             raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
                         if req.get("transactional_id") is not None:
                             raise LogError(ErrorCode.INVALID_REQUEST, "transactions are not supported")
                         if meta is None or not 0 <= pd["index"] < meta.partitions:
                             raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{td['name']}/{pd['index']}")
-                        payload = pd["records"]
-                        if payload is None or len(payload) == 0:
-                            raise LogError(ErrorCode.INVALID_RECORD, "no records")
-                        batches = self._validate(payload, topic_config.value(meta.config, "max.message.bytes",
-                                                                             self.cfg))
+                        payload, release = accepted
+                        batches = _native.scan_batches(payload)
+                        limit = topic_config.value(meta.config, "max.message.bytes", self.cfg)
+                        if any(b.size > limit for b in batches):
+                            raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
                         lg = await self.partition_log(meta.name, pd["index"])
-                        base, fut = lg.append(payload, batches, acks != 0)
+                        base, fut = lg.append(payload, batches, acks != 0, release)
+                        accepted = None  # the log releases the payload now
                         r["base_offset"] = base
                         r["log_start_offset"] = lg.log_start
                     except LogError as exc:
                         r["error_code"], r["error_message"] = exc.code, str(exc)
                         log.info("produce %s/%s rejected: %s %s", td["name"], pd["index"], exc.code.name, exc)
+                    finally:
+                        if isinstance(accepted, tuple):
+                            accepted[1]()
                     results.append((r, fut))
                 responses.append({"name": td["name"], "partition_responses": parts})
         if acks == 0:
             return None
         await self._await_durable(results, req["timeout_ms"] / 1000)
         return {"responses": responses, "throttle_time_ms": 0}
-
-    def _validate(self, payload: memoryview, max_message_bytes: int) -> list[_native.BatchInfo]:
-        try:
-            batches = _native.validate_batches(payload, self.cfg.validate_compressed)
-        except _native.BatchError as exc:
-            raise LogError(ErrorCode(exc.code), str(exc)) from None
-        for b in batches:
-            if b.size > max_message_bytes:
-                raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"batch of {b.size} bytes exceeds max.message.bytes")
-        return batches
 
     @staticmethod
     async def _await_durable(results: list[tuple[dict[str, Any], asyncio.Future[int] | None]],
@@ -327,58 +324,6 @@ class Broker:
                 r["error_message"], r["base_offset"] = str(exc), -1
             else:
                 r["base_offset"] = fut.result()
-
-    # ------------------------------------------------------------------ Fetch
-    async def fetch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        deadline = time.monotonic() + req["max_wait_ms"] / 1000
-        while True:
-            event = self._commit_event
-            responses, total, errors = await self._fetch_once(hdr, req)
-            remaining = deadline - time.monotonic()
-            if total >= req["min_bytes"] or errors or remaining <= 0:
-                return {"throttle_time_ms": 0, "error_code": 0, "session_id": 0, "responses": responses}
-            try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except TimeoutError:
-                pass
-
-    async def _fetch_once(self, hdr: RequestHeader, req: dict[str, Any]) -> tuple[list[dict[str, Any]], int, bool]:
-        budget = req.get("max_bytes", 0x7FFFFFFF)
-        total, errors = 0, False
-        responses = []
-        for t in req["topics"]:
-            if hdr.api_version >= 13:
-                meta = await self.topic_by_id(t["topic_id"])
-                missing = ErrorCode.UNKNOWN_TOPIC_ID
-            else:
-                meta = await self.topic(t["topic"])
-                missing = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
-            parts = []
-            for p in t["partitions"]:
-                r = {"partition_index": p["partition"], "error_code": 0, "high_watermark": -1,
-                     "last_stable_offset": -1, "log_start_offset": -1, "aborted_transactions": None,
-                     "preferred_read_replica": -1, "records": b""}
-                parts.append(r)
-                if meta is None or not 0 <= p["partition"] < meta.partitions:
-                    r["error_code"] = missing
-                    errors = True
-                    continue
-                try:
-                    lg = await self.partition_log(meta.name, p["partition"])
-                    r["high_watermark"] = r["last_stable_offset"] = lg.hw
-                    r["log_start_offset"] = lg.log_start
-                    limit = min(p["partition_max_bytes"], budget - total)
-                    if limit > 0 or total == 0:
-                        chunks = await lg.read(p["fetch_offset"], max(limit, 1))
-                        if chunks:
-                            r["records"] = chunks
-                            total += sum(len(c) for c in chunks)
-                except LogError as exc:
-                    r["error_code"] = exc.code
-                    errors = True
-            responses.append({"topic": t.get("topic", meta.name if meta else ""), "topic_id": t.get("topic_id"),
-                              "partitions": parts})
-        return responses, total, errors
 
     # ------------------------------------------------------------ ListOffsets
     async def list_offsets(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:

@@ -1,17 +1,21 @@
-"""Run one broker node: connect to etcd and S3 (failing fast with a clear
-message if either is unusable), then serve Kafka until stopped."""
+"""The log process of a broker node: connects to etcd and S3 (failing fast
+with a clear message if either is unusable), registers the broker, owns its
+partition logs and serves its protocol workers until stopped."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 
 from kafscale.broker.handlers import Broker
-from kafscale.broker.server import KafkaServer
+from kafscale.broker.logproc import LogService
+from kafscale.broker.shm import SharedArea, SharedCache
 from kafscale.config import Config
 from kafscale.metadata.store import MetaStore
 from kafscale.storage.objectstore import ObjectStore
+from kafscale.storage.reader import SegmentSource
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +25,13 @@ class StartupError(RuntimeError):
 
 
 class BrokerNode:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, cache: SegmentSource) -> None:
         self.cfg = cfg
+        self.cache = cache
         self.store = ObjectStore(cfg.bucket, cfg.s3_endpoint or None, cfg.s3_region, cfg.s3_access_key or None,
                                  cfg.s3_secret_key or None, multipart_threshold=cfg.multipart_threshold)
         self.meta = MetaStore(cfg.etcd, cfg.cluster)
         self.broker: Broker | None = None
-        self.server: KafkaServer | None = None
         self._lease = None
         self._keepalive: asyncio.Task[None] | None = None
 
@@ -42,12 +46,9 @@ class BrokerNode:
         except Exception as exc:
             raise StartupError(f"S3 bucket {self.cfg.bucket!r} at {self.cfg.s3_endpoint or 'AWS'} is not "
                                f"writable: {exc!r}") from exc
-        self.broker = Broker(self.cfg, self.store, self.meta)
+        self.broker = Broker(self.cfg, self.store, self.meta, self.cache)
         await self._register()
         await self.broker.start(self._lease)
-        host, port = self.cfg.listen_addr()
-        self.server = KafkaServer(self.broker, host, port, self.cfg.max_request_bytes)
-        await self.server.start()
         self._keepalive = asyncio.create_task(self._keep_lease())
 
     async def _register(self) -> None:
@@ -73,8 +74,6 @@ class BrokerNode:
             self._keepalive.cancel()
         if self.broker:  # flush and hand over first: waiting producers still get their acks
             await self.broker.close()
-        if self.server:
-            await self.server.close()
         if self._lease is not None:  # deregister at once rather than after the TTL
             with contextlib.suppress(Exception):
                 await self._lease.revoke()
@@ -82,21 +81,26 @@ class BrokerNode:
         await self.meta.close()
 
 
-async def run_until_signal(cfgs: list[Config]) -> None:
-    """Run one or more broker nodes (several only for `kafscale dev --brokers`)
-    until SIGINT/SIGTERM, then drain and stop them."""
-    nodes = [BrokerNode(cfg) for cfg in cfgs]
+async def run_log_process(cfg: Config, area: SharedArea, socket_path: str, ready_fd: int) -> None:
+    """Start the node, serve the workers on `socket_path`, write one byte to
+    `ready_fd`, and run until SIGTERM/SIGINT; then drain and stop."""
+    cache = SharedCache(area)
+    node = BrokerNode(cfg, cache)
     try:
-        for node in nodes:
-            await node.start()
+        await node.start()
+        assert node.broker is not None
+        service = LogService(node.broker, area, cache)
+        await service.start(socket_path)
     except BaseException:
-        for node in nodes:
-            await node.stop()
+        await node.stop()
         raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    os.write(ready_fd, b"1")
+    os.close(ready_fd)
     await stop.wait()
     log.info("shutting down")
-    await asyncio.gather(*(node.stop() for node in nodes))
+    await node.stop()
+    await service.close()

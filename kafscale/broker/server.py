@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import socket
 import struct
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kafscale.broker.handlers import Broker
 from kafscale.protocol.codec import DecodeError
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader, encode_response, parse_request_header
@@ -27,14 +28,54 @@ _SIZE = struct.Struct(">i")
 MAX_IN_FLIGHT = 64
 _conn_ids = itertools.count(1)
 
+Handler = Callable[[RequestHeader, dict[str, Any]], Awaitable[dict[str, Any] | None]]
+# Answers a request this process has no handler for (a worker asks its log process).
+Forward = Callable[[RequestHeader, memoryview], Awaitable[list[Any] | None]]
+# The on_sent list of the request being handled (see RequestHeader.on_sent).
+ON_SENT: contextvars.ContextVar[list[Callable[[], None]]] = contextvars.ContextVar("on_sent")
+
 
 class ProtocolViolation(Exception):
     """The client sent something that is not a valid request: close the connection."""
 
 
+async def call_handler(handlers: dict[int, Handler], hdr: RequestHeader, frame: memoryview, body_at: int
+                       ) -> list[Any] | None:
+    """Decode a request body, run its handler, encode the response (None: no response)."""
+    api = APIS[hdr.api_key]
+    try:
+        req, end = api.request.decode(frame, hdr.api_version, body_at)
+    except DecodeError as exc:
+        raise ProtocolViolation(f"malformed {api.name} v{hdr.api_version} body: {exc}") from None
+    if end != len(frame):
+        # Kafka ignores bytes after the body, and librdkafka sends some (a
+        # 4-byte array-count placeholder in Metadata v9+ for all topics).
+        log.debug("%s v%d: ignoring %d trailing bytes", api.name, hdr.api_version, len(frame) - end)
+    body = await handlers[hdr.api_key](hdr, req)
+    return None if body is None else encode_response(hdr, body)
+
+
+def parse_header(frame: memoryview) -> tuple[RequestHeader, int]:
+    """The request header and where the body starts; ProtocolViolation for
+    unknown APIs and unsupported versions (except ApiVersions, answered in v0)."""
+    try:
+        hdr, body_at = parse_request_header(frame)
+    except DecodeError as exc:
+        raise ProtocolViolation(f"malformed request header: {exc}") from None
+    api = APIS.get(hdr.api_key)
+    if api is None:
+        raise ProtocolViolation(f"unknown API key {hdr.api_key} (correlation id {hdr.correlation_id})")
+    if not api.supports(hdr.api_version) and hdr.api_key != API_VERSIONS.key:
+        raise ProtocolViolation(f"{api.name} v{hdr.api_version} is not supported "
+                                f"(v{api.min_version}-v{api.max_version})")
+    return hdr, body_at
+
+
 class KafkaServer:
-    def __init__(self, broker: Broker, host: str, port: int, max_request_bytes: int, reuse_port: bool = False) -> None:
-        self.broker = broker
+    def __init__(self, handlers: dict[int, Handler], host: str, port: int, max_request_bytes: int,
+                 reuse_port: bool = False, forward: Forward | None = None) -> None:
+        self.handlers = handlers
+        self.forward = forward
         self.host = host
         self.port = port
         self.max_request_bytes = max_request_bytes
@@ -48,6 +89,11 @@ class KafkaServer:
         sock = self._server.sockets[0]
         self.port = sock.getsockname()[1]
         log.info("Kafka listener on %s:%d", self.host, self.port)
+
+    def stop_listening(self) -> None:
+        """Accept no new connections; the open ones carry on."""
+        if self._server is not None:
+            self._server.close()
 
     async def close(self) -> None:
         """Stop listening, close every connection (their tasks end on EOF rather
@@ -75,16 +121,17 @@ class KafkaServer:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        queue: asyncio.Queue[asyncio.Task[list[Any] | None] | None] = asyncio.Queue(MAX_IN_FLIGHT)
+        queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestHeader] | None] = asyncio.Queue(
+            MAX_IN_FLIGHT)
         sender = asyncio.create_task(self._send_loop(queue, writer, conn, peer))
         try:
             while not sender.done():
                 frame = await self._read_frame(reader)
                 if frame is None:
                     break
-                hdr, body_at = self._parse_header(frame)
+                hdr, body_at = parse_header(frame)
                 hdr.client_host, hdr.append_order = client_host, append_order
-                await queue.put(asyncio.create_task(self._handle(hdr, frame, body_at)))
+                await queue.put((asyncio.create_task(self._handle(hdr, frame, body_at)), hdr))
         except ProtocolViolation as exc:
             log.warning("conn %d from %s: closing: %s", conn, peer, exc)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -117,46 +164,27 @@ class KafkaServer:
         except asyncio.IncompleteReadError as exc:
             raise ProtocolViolation(f"truncated frame: {len(exc.partial)} of {size} bytes") from None
 
-    @staticmethod
-    def _parse_header(frame: memoryview) -> tuple[RequestHeader, int]:
-        try:
-            hdr, body_at = parse_request_header(frame)
-        except DecodeError as exc:
-            raise ProtocolViolation(f"malformed request header: {exc}") from None
-        api = APIS.get(hdr.api_key)
-        if api is None:
-            raise ProtocolViolation(f"unknown API key {hdr.api_key} (correlation id {hdr.correlation_id})")
-        if not api.supports(hdr.api_version) and hdr.api_key != API_VERSIONS.key:
-            raise ProtocolViolation(f"{api.name} v{hdr.api_version} is not supported "
-                                    f"(v{api.min_version}-v{api.max_version})")
-        return hdr, body_at
-
     async def _handle(self, hdr: RequestHeader, frame: memoryview, body_at: int) -> list[Any] | None:
-        api = APIS[hdr.api_key]
-        if hdr.api_key == API_VERSIONS.key and not api.supports(hdr.api_version):
+        ON_SENT.set(hdr.on_sent)
+        if hdr.api_key == API_VERSIONS.key and not APIS[hdr.api_key].supports(hdr.api_version):
             # Answer in v0 with UNSUPPORTED_VERSION and our ranges; the client retries lower.
             hdr = RequestHeader(hdr.api_key, 0, hdr.correlation_id, hdr.client_id, False)
-            body = await self.broker.api_versions(hdr, {})
+            body = await self.handlers[API_VERSIONS.key](hdr, {})
+            assert body is not None
             body["error_code"] = ErrorCode.UNSUPPORTED_VERSION
             return encode_response(hdr, body)
-        try:
-            req, end = api.request.decode(frame, hdr.api_version, body_at)
-        except DecodeError as exc:
-            raise ProtocolViolation(f"malformed {api.name} v{hdr.api_version} body: {exc}") from None
-        if end != len(frame):
-            # Kafka ignores bytes after the body, and librdkafka sends some (a
-            # 4-byte array-count placeholder in Metadata v9+ for all topics).
-            log.debug("%s v%d: ignoring %d trailing bytes", api.name, hdr.api_version, len(frame) - end)
-        body = await self.broker.handlers[hdr.api_key](hdr, req)
-        return None if body is None else encode_response(hdr, body)
+        if hdr.api_key not in self.handlers and self.forward is not None:
+            return await self.forward(hdr, frame)
+        return await call_handler(self.handlers, hdr, frame, body_at)
 
-    async def _send_loop(self, queue: asyncio.Queue[asyncio.Task[list[Any] | None] | None],
+    async def _send_loop(self, queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestHeader] | None],
                          writer: asyncio.StreamWriter, conn: int, peer: Any) -> None:
         try:
             while True:
-                task = await queue.get()
-                if task is None:
+                item = await queue.get()
+                if item is None:
                     return
+                task, hdr = item
                 try:
                     chunks = await task
                 except ProtocolViolation as exc:
@@ -167,13 +195,25 @@ class KafkaServer:
                     log.exception("conn %d from %s: request failed; closing the connection", conn, peer)
                     writer.close()
                     return
+                finally:
+                    if task.done() and (task.cancelled() or task.exception() is not None):
+                        _sent(hdr)
                 if chunks is not None:
-                    writer.writelines(chunks)
+                    for chunk in chunks:  # one by one: the transport copies only what the socket did not take
+                        writer.write(chunk)
+                    _sent(hdr)
                     await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
             while not queue.empty():
-                t = queue.get_nowait()
-                if t is not None:
-                    t.cancel()
+                item = queue.get_nowait()
+                if item is not None:
+                    item[0].cancel()
+                    item[0].add_done_callback(lambda _t, h=item[1]: _sent(h))
+
+
+def _sent(hdr: RequestHeader) -> None:
+    callbacks, hdr.on_sent[:] = list(hdr.on_sent), []
+    for cb in callbacks:
+        cb()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,9 @@ class RequestHeader:
     # One per connection: Kafka handles a connection's requests one at a time,
     # so clients rely on pipelined produces being appended in send order.
     append_order: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Run once the response has been handed to the socket (or dropped): a
+    # worker unpins the shared-memory segments the response points into.
+    on_sent: list[Callable[[], None]] = field(default_factory=list)
 
 
 def parse_request_header(frame: memoryview) -> tuple[RequestHeader, int]:

@@ -260,7 +260,7 @@ async def run_proxy_until_signal(cfg: Config) -> None:
     proxy = Proxy(cfg, meta)
     await proxy.start()
     host, port = cfg.listen_addr()
-    server = KafkaServer(proxy, host, port, cfg.max_request_bytes)  # type: ignore[arg-type]
+    server = KafkaServer(proxy.handlers, host, port, cfg.max_request_bytes)
     await server.start()
     log.info("proxy for cluster %r on %s:%d in front of brokers %s", cfg.cluster, host, server.port,
              sorted(proxy.cluster.brokers))

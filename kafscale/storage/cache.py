@@ -1,8 +1,7 @@
-"""In-memory cache of whole segments, least recently used evicted first."""
+"""A whole segment (or a window of one) in memory, sliced into Fetch responses."""
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from kafscale import _native
@@ -11,13 +10,14 @@ from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE, BuiltSegment, ope
 
 @dataclass
 class CachedSegment:
-    data: bytes | bytearray  # the whole .kfs object
+    data: bytes | bytearray | memoryview  # the whole .kfs object
     bases: list[int]  # first offset of each batch
     positions: list[int]  # byte position of each batch
+    body_end: int = -1  # where the batches end (default: before the footer)
 
-    @property
-    def body_end(self) -> int:
-        return len(self.data) - FOOTER_SIZE
+    def __post_init__(self) -> None:
+        if self.body_end < 0:
+            self.body_end = len(self.data) - FOOTER_SIZE
 
     @classmethod
     def from_built(cls, seg: BuiltSegment) -> CachedSegment:
@@ -39,39 +39,3 @@ class CachedSegment:
         last = max(bisect.bisect_right(ends, start + max_bytes) - 1, i)
         end = ends[last]
         return memoryview(self.data)[start:end], end == self.body_end
-
-
-class SegmentCache:
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.size = 0
-        self._items: OrderedDict[str, CachedSegment] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._items
-
-    def get(self, key: str) -> CachedSegment | None:
-        seg = self._items.get(key)
-        if seg is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._items.move_to_end(key)
-        return seg
-
-    def put(self, key: str, seg: CachedSegment) -> None:
-        if key in self._items:
-            self.size -= len(self._items.pop(key).data)
-        if len(seg.data) > self.capacity:
-            return
-        self._items[key] = seg
-        self.size += len(seg.data)
-        while self.size > self.capacity:
-            _, old = self._items.popitem(last=False)
-            self.size -= len(old.data)
-
-    def drop_prefix(self, prefix: str) -> None:
-        for key in [k for k in self._items if k.startswith(prefix)]:
-            self.size -= len(self._items.pop(key).data)

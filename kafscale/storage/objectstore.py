@@ -40,7 +40,7 @@ class ObjectStore:
 
     async def start(self) -> None:
         cfg = BotoConfig(max_pool_connections=64, retries={"max_attempts": 3, "mode": "standard"},
-                         s3={"addressing_style": "path"})
+                         s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=10)
         self._client = await self._stack.enter_async_context(
             self._session.client("s3", endpoint_url=self.endpoint, config=cfg))
 

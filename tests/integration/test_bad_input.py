@@ -45,8 +45,8 @@ def still_serves(b, topic: str) -> None:
     assert got[-1] == (before, Rec(b"ok", b"still serving"))
 
 
-def produce_raw(c: RawClient, topic: str, records: bytes, version: int = 9) -> dict:
-    body = {"acks": -1, "timeout_ms": 10000,
+def produce_raw(c: RawClient, topic: str, records: bytes, version: int = 9, timeout_ms: int = 10000) -> dict:
+    body = {"acks": -1, "timeout_ms": timeout_ms,
             "topic_data": [{"name": topic, "partition_data": [{"index": 0, "records": records}]}]}
     resp = c.request(PRODUCE.key, version, body)
     return resp["responses"][0]["partition_responses"][0]

@@ -1,0 +1,104 @@
+"""Messages between a node's protocol workers and its log process over a Unix
+stream socket: a 4-byte length, then a pickled tuple. Only descriptors and
+small control messages travel here; produce payloads stay in the shared
+rings. Calls are answered in whatever order they finish; events are one-way."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import pickle
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct(">I")
+_CALL, _REPLY, _EVENT = 0, 1, 2
+
+OnCall = Callable[[str, tuple[Any, ...]], Awaitable[Any]]
+OnEvent = Callable[[str, tuple[Any, ...]], None]
+
+
+class RemoteError(Exception):
+    """The other side raised while handling a call."""
+
+
+class ChannelClosed(ConnectionError):
+    pass
+
+
+class Channel:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 on_call: OnCall | None = None, on_event: OnEvent | None = None) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._on_call = on_call
+        self._on_event = on_event
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.closed = False
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        if self.closed:
+            raise ChannelClosed("channel closed")
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        self._writer.write(_LEN.pack(len(data)) + data)
+
+    def call(self, kind: str, *args: Any) -> asyncio.Future[Any]:
+        """Send a call now (so calls keep their order) and return the future reply."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        call_id = next(self._ids)
+        self._send((_CALL, call_id, kind, args))
+        self._waiting[call_id] = fut
+        return fut
+
+    def event(self, kind: str, *args: Any) -> None:
+        self._send((_EVENT, kind, args))
+
+    async def serve(self) -> None:
+        """Read until the peer closes; then fail whatever still waits on a reply."""
+        try:
+            while True:
+                head = await self._reader.readexactly(4)
+                msg = pickle.loads(await self._reader.readexactly(_LEN.unpack(head)[0]))
+                if msg[0] == _REPLY:
+                    fut = self._waiting.pop(msg[1], None)
+                    if fut is not None and not fut.done():
+                        if msg[2]:
+                            fut.set_result(msg[3])
+                        else:
+                            fut.set_exception(RemoteError(msg[3]))
+                elif msg[0] == _CALL:
+                    task = asyncio.create_task(self._answer(msg[1], msg[2], msg[3]))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                elif self._on_event is not None:
+                    self._on_event(msg[1], msg[2])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.close()
+
+    async def _answer(self, call_id: int, kind: str, args: tuple[Any, ...]) -> None:
+        assert self._on_call is not None
+        try:
+            reply = (_REPLY, call_id, True, await self._on_call(kind, args))
+        except Exception as exc:
+            log.exception("%s call failed", kind)
+            reply = (_REPLY, call_id, False, f"{type(exc).__name__}: {exc}")
+        if not self.closed:
+            self._send(reply)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._writer.close()
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(ChannelClosed("log process went away"))
+                fut.exception()
+        self._waiting.clear()

@@ -1,0 +1,121 @@
+"""The log process's service to its workers, over a Unix socket.
+
+Calls: `hello` (the worker's ring slot), `produce` (a Produce whose payloads
+are ring descriptors), `view` (open a partition for Fetch: its segments,
+watermarks and cached segments) and `frame` (any other request, raw). Events
+to every worker: `changed` whenever a partition log commits a segment, moves
+its start offset or closes."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+from typing import Any
+
+from kafscale.broker.handlers import Accepted, Broker
+from kafscale.broker.ipc import Channel
+from kafscale.broker.server import ProtocolViolation, call_handler, parse_header
+from kafscale.broker.shm import RingTracker, SharedArea, SharedCache
+from kafscale.metadata.store import SegmentManifest
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.framing import RequestHeader
+from kafscale.protocol.schemas import PRODUCE
+from kafscale.storage.partition import LogError, PartitionLog
+
+log = logging.getLogger(__name__)
+
+
+class LogService:
+    def __init__(self, broker: Broker, area: SharedArea, cache: SharedCache) -> None:
+        self.broker = broker
+        self.cache = cache
+        self.trackers = [RingTracker(r) for r in area.rings]
+        self.channels: set[Channel] = set()
+        self._conn_tasks: set[asyncio.Task[Any]] = set()
+        self._server: asyncio.base_events.Server | None = None
+        broker.on_change = self._changed
+
+    async def start(self, path: str) -> None:
+        self._server = await asyncio.start_unix_server(self._connected, path, limit=64 * 1024 * 1024)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for ch in list(self.channels):
+            ch.close()
+        if self._conn_tasks:  # they end on EOF; cancelling them makes asyncio log errors
+            await asyncio.wait(self._conn_tasks, timeout=5)
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        append_order = asyncio.Lock()  # one per worker: its appends keep the order it sent them in
+
+        async def on_call(kind: str, args: tuple[Any, ...]) -> Any:
+            if kind == "produce":
+                return await self._produce(append_order, *args)
+            if kind == "frame":
+                return await self._frame(*args)
+            if kind == "view":
+                return await self._view(*args)
+            if kind == "hello":
+                self.channels.add(ch)
+                return None
+            raise ValueError(f"unknown call {kind}")
+
+        ch = Channel(reader, writer, on_call=on_call)
+        task = asyncio.current_task()
+        assert task is not None
+        self._conn_tasks.add(task)
+        try:
+            await ch.serve()
+        finally:
+            self.channels.discard(ch)
+            self._conn_tasks.discard(task)
+
+    # ------------------------------------------------------------------ calls
+    async def _produce(self, append_order: asyncio.Lock, version: int, client_id: str | None,
+                       req: dict[str, Any]) -> dict[str, Any] | None:
+        for td in req["topic_data"]:
+            for pd in td["partition_data"]:
+                pd["records"] = self._accept(pd["records"])
+        hdr = RequestHeader(PRODUCE.key, version, 0, client_id, False, append_order=append_order)
+        return await self.broker.produce(hdr, req)
+
+    def _accept(self, desc: tuple[Any, ...]) -> Accepted | LogError:
+        if desc[0] == "error":
+            return LogError(ErrorCode(desc[1]), desc[2])
+        _, slot, start, n = desc
+        tracker = self.trackers[slot]
+        return tracker.track(start, n), functools.partial(tracker.release, start)
+
+    async def _frame(self, client_host: str, frame: bytes) -> tuple[str, Any]:
+        try:
+            view = memoryview(frame)
+            hdr, body_at = parse_header(view)
+            hdr.client_host = client_host
+            chunks = await call_handler(self.broker.handlers, hdr, view, body_at)
+        except ProtocolViolation as exc:
+            return "violation", str(exc)
+        return "response", None if chunks is None else b"".join(chunks)
+
+    async def _view(self, name: str | None, topic_id: bytes | None, p: int) -> dict[str, Any]:
+        meta = await self.broker.topic(name) if name is not None else await self.broker.topic_by_id(topic_id or b"")
+        if meta is None or not 0 <= p < meta.partitions:
+            code = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if name is not None else ErrorCode.UNKNOWN_TOPIC_ID
+            return {"error": code, "message": f"{name or topic_id!r}/{p}"}
+        try:
+            lg = await self.broker.partition_log(meta.name, p)
+        except LogError as exc:
+            return {"error": exc.code, "message": str(exc)}
+        cached = {m.key: self.cache.refs[m.key] for m in lg.segments if self.cache.get(m.key) is not None}
+        return {"topic": meta.name, "topic_id": meta.id, "hw": lg.hw, "log_start": lg.log_start,
+                "segments": [dataclasses.asdict(m) for m in lg.segments], "cached": cached}
+
+    # ----------------------------------------------------------------- events
+    def _changed(self, lg: PartitionLog, manifest: SegmentManifest | None) -> None:
+        ref = self.cache.refs.get(manifest.key) if manifest is not None else None
+        args = (lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start,
+                None if manifest is None else dataclasses.asdict(manifest), ref)
+        for ch in list(self.channels):
+            if not ch.closed:
+                ch.event("changed", *args)

@@ -1,0 +1,209 @@
+"""Shared memory between one node's processes. The supervisor maps it before
+it forks, so the log process and every protocol worker see the same pages.
+
+Produce rings: one per worker slot. A worker writes a validated payload into
+its ring once and sends the log process a descriptor (absolute position and
+length). The log process keeps the payload there until it has been copied
+into a segment, then releases it; the ring's tail is the oldest payload not
+yet released. A full ring is backpressure: the worker answers a retriable
+error instead of buffering more. Positions are absolute byte counts (they
+only grow); `pos % size` is the place in the ring. A payload never wraps:
+when it does not fit before the end, the worker skips to the start.
+
+Segment cache: the log process writes every committed segment into one ring
+of `cache_bytes` and tells the workers where it is; workers slice Fetch
+responses straight out of it. Writing at absolute [start, end) destroys what
+lay at positions below end - size. A worker pins the lowest position it is
+serving (one u64 per worker slot) until the response has been handed to the
+socket; the log process never overwrites a pinned position (it skips caching
+that segment instead). Both sides publish first and then check the other
+side, with sequentially consistent atomics, so one of them always sees the
+other (Dekker's handshake)."""
+from __future__ import annotations
+
+import bisect
+import mmap
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from kafscale import _native
+from kafscale.storage.cache import CachedSegment
+
+NONE = 2**64 - 1
+_RING_HEADER = 64  # head u64 at 0 (worker), tail u64 at 8 (log process)
+_HEAD, _TAIL = 0, 8
+_RESERVE = 0  # cache header: end of the newest (being) written segment
+
+
+def _align(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+class SharedArea:
+    """The rings and the cache of one node, in one anonymous shared mapping."""
+
+    def __init__(self, slots: int, ring_bytes: int, cache_bytes: int) -> None:
+        self.slots = slots
+        self.ring_bytes = _align(ring_bytes)
+        self.cache_header = _align(64 + 8 * slots)
+        self.cache_bytes = cache_bytes
+        ring_total = slots * (_RING_HEADER + self.ring_bytes)
+        self._map = mmap.mmap(-1, ring_total + self.cache_header + max(cache_bytes, 0))
+        mem = memoryview(self._map)
+        stride = _RING_HEADER + self.ring_bytes
+        self.rings = [Ring(mem[i * stride:(i + 1) * stride], self.ring_bytes) for i in range(slots)]
+        self.cache_mem = mem[ring_total:]
+        for slot in range(slots):
+            _native.atomic_store(self.cache_mem, 64 + 8 * slot, NONE)
+
+
+class Ring:
+    def __init__(self, mem: memoryview, size: int) -> None:
+        self.header = mem[:_RING_HEADER]
+        self.data = mem[_RING_HEADER:_RING_HEADER + size]
+        self.size = size
+
+    # ---------------------------------------------------------- worker side
+    def alloc(self, n: int) -> int | None:
+        """Reserve n contiguous bytes; their absolute position, or None when full."""
+        head = start = _native.atomic_load(self.header, _HEAD)
+        off = start % self.size
+        if off + n > self.size:
+            start += self.size - off
+        tail = _native.atomic_load(self.header, _TAIL)
+        # what [start, start+n) overwrites is the previous lap's [start-size, start+n-size): free
+        # unless live payloads [tail, head) reach into it
+        if n > self.size or (tail < head and start + n - self.size > tail):
+            return None
+        _native.atomic_store(self.header, _HEAD, start + n)
+        return start
+
+    def view(self, start: int, n: int) -> memoryview:
+        off = start % self.size
+        return self.data[off:off + n]
+
+    def in_use(self) -> int:
+        return _native.atomic_load(self.header, _HEAD) - _native.atomic_load(self.header, _TAIL)
+
+
+class RingTracker:
+    """Log-process side of one ring: payloads in use, in allocation order."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self._live: deque[list[int]] = deque()  # [start, released]
+        self._by_start: dict[int, list[int]] = {}
+        self._end = _native.atomic_load(ring.header, _TAIL)
+
+    def track(self, start: int, n: int) -> memoryview:
+        entry = [start, 0]
+        self._live.append(entry)
+        self._by_start[start] = entry
+        self._end = start + n
+        return self.ring.view(start, n)
+
+    def release(self, start: int) -> None:
+        self._by_start.pop(start)[1] = 1
+        while self._live and self._live[0][1]:
+            self._live.popleft()
+        _native.atomic_store(self.ring.header, _TAIL, self._live[0][0] if self._live else self._end)
+
+
+@dataclass(frozen=True)
+class CacheRef:
+    """Where a committed segment sits in the shared cache."""
+    pos: int
+    size: int
+    bases: list[int]
+    positions: list[int]
+
+
+class SharedCache:
+    """Log-process side: writes committed segments, answers its own reads.
+    Has the SegmentSource interface that PartitionLog reads through."""
+
+    def __init__(self, area: SharedArea) -> None:
+        self.header = area.cache_mem[:area.cache_header]
+        self.data = area.cache_mem[area.cache_header:]
+        self.size = len(self.data)
+        self.slots = area.slots
+        self._head = 0
+        self.refs: OrderedDict[str, CacheRef] = OrderedDict()
+        self.skipped_pinned = 0
+
+    def _oldest_valid(self) -> int:
+        return _native.atomic_load(self.header, _RESERVE) - self.size
+
+    def _pinned_below(self, end: int) -> bool:
+        floor = end - self.size
+        return any(_native.atomic_load(self.header, 64 + 8 * s) < floor for s in range(self.slots))
+
+    def put(self, key: str, seg: CachedSegment) -> None:
+        n = len(seg.data)
+        if n > self.size or n == 0:
+            return
+        start = self._head
+        off = start % self.size
+        if off + n > self.size:
+            start += self.size - off
+        end = start + n
+        if self._pinned_below(end):  # a worker is still sending what this would overwrite
+            self.skipped_pinned += 1
+            return
+        _native.atomic_store(self.header, _RESERVE, end)
+        if self._pinned_below(end):  # a worker pinned it meanwhile: leave its bytes alone
+            self.skipped_pinned += 1
+            return
+        self._head = end
+        self.data[start % self.size:start % self.size + n] = seg.data
+        self.refs.pop(key, None)
+        self.refs[key] = CacheRef(start, n, list(seg.bases), list(seg.positions))
+        floor = self._oldest_valid()
+        while self.refs and next(iter(self.refs.values())).pos < floor:
+            self.refs.popitem(last=False)
+
+    def get(self, key: str) -> CachedSegment | None:
+        ref = self.refs.get(key)
+        if ref is None or ref.pos < self._oldest_valid():
+            return None
+        off = ref.pos % self.size
+        return CachedSegment(self.data[off:off + ref.size], ref.bases, ref.positions)
+
+    def drop_prefix(self, prefix: str) -> None:
+        for key in [k for k in self.refs if k.startswith(prefix)]:
+            del self.refs[key]
+
+
+class CacheReader:
+    """Worker side: pins and slices segments the log process has cached."""
+
+    def __init__(self, area: SharedArea, slot: int) -> None:
+        self.header = area.cache_mem[:area.cache_header]
+        self.data = area.cache_mem[area.cache_header:]
+        self.size = len(self.data)
+        self._pin_at = 64 + 8 * slot
+        self._held: list[int] = []  # sorted positions in use by responses not yet sent
+        self.hits = self.misses = 0
+        _native.atomic_store(self.header, self._pin_at, NONE)
+
+    def acquire(self, ref: CacheRef) -> CachedSegment | None:
+        """The segment at `ref`, pinned until release(ref.pos); None if overwritten."""
+        if self.size == 0:
+            return None
+        low = min(ref.pos, self._held[0]) if self._held else ref.pos
+        _native.atomic_store(self.header, self._pin_at, low)
+        if ref.pos < _native.atomic_load(self.header, _RESERVE) - self.size:
+            self._publish()
+            self.misses += 1
+            return None
+        bisect.insort(self._held, ref.pos)
+        self.hits += 1
+        off = ref.pos % self.size
+        return CachedSegment(self.data[off:off + ref.size], ref.bases, ref.positions)
+
+    def release(self, pos: int) -> None:
+        del self._held[bisect.bisect_left(self._held, pos)]
+        self._publish()
+
+    def _publish(self) -> None:
+        _native.atomic_store(self.header, self._pin_at, self._held[0] if self._held else NONE)

@@ -1,0 +1,242 @@
+"""`kafscale broker`: the supervisor of one or more broker nodes.
+
+Per node it maps the shared memory, forks the log process, waits until it is
+ready (etcd and S3 reachable, broker registered), then forks the protocol
+workers, which share the Kafka port through SO_REUSEPORT. A worker that dies
+is replaced; a log process that dies takes the whole node down (non-zero
+exit) so that another broker takes its partitions over, and nothing it
+acknowledged is lost because acks follow the etcd commit. SIGTERM/SIGINT
+drain: workers stop accepting, the log process flushes and hands over."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kafscale.broker.shm import SharedArea
+from kafscale.config import Config
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+STARTUP_FAILED = 2
+
+
+def _in_child(role: str) -> None:
+    """Reset what the supervisor set up; die with the supervisor."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    for h in logging.getLogger().handlers:
+        h.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"))
+
+
+def _fork(role: str, main: Callable[[int], None]) -> tuple[int, int]:
+    """Fork a child running main(ready_fd); returns (pid, read end of its ready pipe)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(r)
+            _in_child(role)
+            main(w)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException as exc:
+            from kafscale.broker.node import StartupError
+
+            if isinstance(exc, StartupError | OSError):
+                print(f"kafscale: cannot start: {exc}", file=sys.stderr)
+                code = STARTUP_FAILED
+            else:
+                logging.getLogger(role).exception("%s failed", role)
+                code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+def _wait_ready(pid: int, ready: int) -> int | None:
+    """None once the child wrote its ready byte; else its exit status."""
+    got = os.read(ready, 1)
+    os.close(ready)
+    if got:
+        return None
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+async def _worker_main(cfg: Config, area: SharedArea, slot: int, socket_path: str, ready_fd: int) -> None:
+    from kafscale.broker.worker import Worker
+
+    w = Worker(cfg, area, slot)
+    try:
+        await w.start(socket_path)
+    except BaseException:
+        await w.stop()
+        raise
+    os.write(ready_fd, b"1")
+    os.close(ready_fd)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log_gone = asyncio.create_task(w.run_until_log_process_exits())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([log_gone, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if stopping.done():  # stop taking connections; answer what is in flight while the log process drains
+        w.stop_listening()
+        await asyncio.wait([log_gone], timeout=60)
+    stopping.cancel()
+    await w.stop()
+
+
+@dataclass
+class _Node:
+    cfg: Config
+    workers: int
+    area: SharedArea
+    dir: str
+    log_pid: int = 0
+    worker_pids: dict[int, int] = field(default_factory=dict)  # pid -> slot
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.dir, "log.sock")
+
+    def start_log(self) -> int | None:
+        from kafscale.broker.node import run_log_process
+
+        self.log_pid, ready = _fork(f"log {self.cfg.node_id}", lambda fd: asyncio.run(
+            run_log_process(self.cfg, self.area, self.socket_path, fd)))
+        return _wait_ready(self.log_pid, ready)
+
+    def start_worker(self, slot: int, wait: bool) -> int | None:
+        pid, ready = _fork(f"worker {self.cfg.node_id}.{slot}", lambda fd: asyncio.run(
+            _worker_main(self.cfg, self.area, slot, self.socket_path, fd)))
+        self.worker_pids[pid] = slot
+        if not wait:
+            os.close(ready)
+            return None
+        rc = _wait_ready(pid, ready)
+        if rc is not None:
+            del self.worker_pids[pid]
+        return rc
+
+    def pids(self) -> list[int]:
+        return [p for p in (self.log_pid, *self.worker_pids) if p]
+
+    def signal(self, sig: int) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _listen_port_free(cfg: Config) -> None:
+    """Refuse a port someone else listens on (SO_REUSEPORT would share it)."""
+    host, port = cfg.listen_addr()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener is not
+        s.bind((host, port))
+
+
+def run_nodes(cfgs: list[Config]) -> int:
+    """Run the nodes until SIGINT/SIGTERM; the process exit code."""
+    nodes: list[_Node] = []
+    try:
+        for cfg in cfgs:
+            _listen_port_free(cfg)
+            n = cfg.workers or os.cpu_count() or 1
+            nodes.append(_Node(cfg, n, SharedArea(n, cfg.ring_bytes, cfg.cache_bytes),
+                               tempfile.mkdtemp(prefix="kafscale-")))
+    except OSError as exc:
+        print(f"kafscale: cannot start: {exc}", file=sys.stderr)
+        return STARTUP_FAILED
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for node in nodes:
+            node.signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        for node in nodes:
+            rc = node.start_log()
+            if rc is None:
+                for slot in range(node.workers):
+                    rc = node.start_worker(slot, wait=True)
+                    if rc is not None:
+                        break
+            if rc is not None:  # a child failed to start, or we were told to stop while starting
+                asked_to_stop, stopping = stopping, True
+                for other in nodes:
+                    other.signal(signal.SIGTERM)
+                _reap_all(nodes)
+                return 0 if asked_to_stop else (rc if rc > 0 else 1)
+        for node in nodes:
+            host, port = node.cfg.listen_addr()
+            log.info("broker %d: Kafka listener on %s:%d (%d workers)", node.cfg.node_id, host, port, node.workers)
+        return _supervise(nodes, lambda: stopping)
+    finally:
+        for node in nodes:
+            shutil.rmtree(node.dir, ignore_errors=True)
+
+
+def _supervise(nodes: list[_Node], stopping: Callable[[], bool]) -> int:
+    code = 0
+    while any(node.pids() for node in nodes):
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        rc = os.waitstatus_to_exitcode(status)
+        for node in nodes:
+            if pid == node.log_pid:
+                node.log_pid = 0
+                if not stopping():
+                    log.error("broker %d: log process exited (%d); stopping the node", node.cfg.node_id, rc)
+                    node.signal(signal.SIGKILL)
+                    code = 1
+            elif pid in node.worker_pids:
+                slot = node.worker_pids.pop(pid)
+                if node.log_pid and os.waitpid(node.log_pid, os.WNOHANG)[0]:  # its log process is gone too
+                    node.log_pid = 0
+                    if not stopping():
+                        log.error("broker %d: log process exited; stopping the node", node.cfg.node_id)
+                        node.signal(signal.SIGKILL)
+                        code = 1
+                if not stopping() and node.log_pid:
+                    log.warning("broker %d: worker %d exited (%d); starting a new one", node.cfg.node_id, slot, rc)
+                    node.start_worker(slot, wait=False)
+    return code
+
+
+def _reap_all(nodes: list[_Node]) -> None:
+    for node in nodes:
+        for pid in node.pids():
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        node.log_pid = 0
+        node.worker_pids.clear()

@@ -1,0 +1,278 @@
+"""A protocol worker: one of N pre-forked processes sharing the Kafka port
+through SO_REUSEPORT.
+
+It answers ApiVersions itself, validates produce payloads in native code
+and writes them once into its shared-memory ring (the log process gets a
+descriptor), and serves Fetch itself: from the shared segment cache without
+copying, or from S3 with read-ahead. Every other request is passed to the log
+process as raw bytes and its answer sent back unchanged."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from kafscale import _native
+from kafscale.broker.ipc import Channel, ChannelClosed
+from kafscale.broker.server import ON_SENT, KafkaServer, ProtocolViolation
+from kafscale.broker.shm import CacheReader, CacheRef, Ring, SharedArea
+from kafscale.config import Config
+from kafscale.metadata.store import SegmentManifest
+from kafscale.protocol import schemas
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.framing import RequestHeader
+from kafscale.storage.cache import CachedSegment
+from kafscale.storage.objectstore import ObjectStore
+from kafscale.storage.reader import LogError, LogReader
+
+log = logging.getLogger(__name__)
+
+RING_FULL = "the broker's produce buffer is full (S3 is slow or unavailable); retry"
+
+
+class _ViewCache:
+    """A partition view's window onto the shared cache (SegmentSource)."""
+
+    def __init__(self, reader: CacheReader) -> None:
+        self.reader = reader
+        self.refs: dict[str, CacheRef] = {}
+
+    def get(self, key: str) -> CachedSegment | None:
+        ref = self.refs.get(key)
+        if ref is None:
+            return None
+        seg = self.reader.acquire(ref)
+        if seg is None:
+            del self.refs[key]
+            return None
+        ON_SENT.get().append(lambda: self.reader.release(ref.pos))
+        return seg
+
+    def put(self, key: str, seg: CachedSegment) -> None:
+        """Only the log process writes the shared cache."""
+
+    def drop_prefix(self, prefix: str) -> None:
+        for key in [k for k in self.refs if k.startswith(prefix)]:
+            del self.refs[key]
+
+
+class PartitionView(LogReader):
+    """What a worker knows of a partition its node owns: committed segments,
+    watermarks and cache locations, kept current by the log process's events."""
+
+    def __init__(self, store: ObjectStore, cache: CacheReader, readahead: int, state: dict[str, Any]) -> None:
+        self.view_cache = _ViewCache(cache)
+        super().__init__(store, self.view_cache, readahead)
+        self.set_segments([SegmentManifest(**m) for m in state["segments"]])
+        self.view_cache.refs.update(state["cached"])
+        self.hw, self.log_start = state["hw"], state["log_start"]
+
+    def apply(self, hw: int, log_start: int, manifest: dict[str, Any] | None, ref: CacheRef | None) -> None:
+        if manifest is not None:
+            m = SegmentManifest(**manifest)
+            self.add_segment(m)
+            if ref is not None:
+                self.view_cache.refs[m.key] = ref
+        self.hw = hw
+        if log_start != self.log_start:
+            self.log_start = log_start
+            gone = sum(1 for m in self.segments if m.last < log_start)
+            for m in self.segments[:gone]:
+                self.view_cache.refs.pop(m.key, None)
+            self.drop_segments(gone)
+
+
+class Worker:
+    def __init__(self, cfg: Config, area: SharedArea, slot: int) -> None:
+        self.cfg = cfg
+        self.slot = slot
+        self.ring: Ring = area.rings[slot]
+        self.cache = CacheReader(area, slot)
+        self.store = ObjectStore(cfg.bucket, cfg.s3_endpoint or None, cfg.s3_region, cfg.s3_access_key or None,
+                                 cfg.s3_secret_key or None)
+        self.chan: Channel | None = None
+        self.views: dict[tuple[str, int], PartitionView] = {}
+        self.topic_ids: dict[bytes, str] = {}
+        self._changed = asyncio.Event()
+        self._opening = 0  # views being opened: their events may arrive before the view exists
+        self._early: list[tuple[Any, ...]] = []
+        self.handlers = {
+            schemas.API_VERSIONS.key: self.api_versions,
+            schemas.PRODUCE.key: self.produce,
+            schemas.FETCH.key: self.fetch,
+        }
+        self.server: KafkaServer | None = None
+
+    async def start(self, socket_path: str) -> None:
+        await self.store.start()
+        reader, writer = await asyncio.open_unix_connection(socket_path, limit=64 * 1024 * 1024)
+        self.chan = Channel(reader, writer, on_event=self._on_event)
+        self._serving = asyncio.create_task(self.chan.serve())
+        await self.chan.call("hello", self.slot)
+        host, port = self.cfg.listen_addr()
+        self.server = KafkaServer(self.handlers, host, port, self.cfg.max_request_bytes, reuse_port=True,
+                                  forward=self.forward)
+        await self.server.start()
+
+    async def run_until_log_process_exits(self) -> None:
+        await self._serving
+
+    def stop_listening(self) -> None:
+        if self.server is not None:
+            self.server.stop_listening()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+        if self.chan is not None:
+            self.chan.close()
+        await self.store.close()
+
+    # --------------------------------------------------------------- events
+    def _on_event(self, kind: str, args: tuple[Any, ...]) -> None:
+        if kind != "changed":
+            return
+        view = self.views.get((args[0], args[1]))
+        if view is not None:
+            self._apply(view, *args)
+        elif self._opening:
+            self._early.append(args)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _apply(self, view: PartitionView, topic: str, p: int, closed: bool, hw: int, log_start: int,
+               manifest: dict[str, Any] | None, ref: CacheRef | None) -> None:
+        if closed:
+            view.stop_reading()
+            self.views.pop((topic, p), None)
+        elif manifest is None or manifest["base"] >= view.hw:  # not already in the view's snapshot
+            view.apply(max(hw, view.hw), log_start, manifest, ref)
+
+    # ------------------------------------------------------------- requests
+    async def api_versions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        return schemas.api_versions_response()
+
+    async def forward(self, hdr: RequestHeader, frame: memoryview) -> list[Any] | None:
+        assert self.chan is not None
+        try:
+            kind, value = await self.chan.call("frame", hdr.client_host, bytes(frame))
+        except ChannelClosed:
+            raise ProtocolViolation("the broker is shutting down") from None
+        if kind == "violation":
+            raise ProtocolViolation(value)
+        return None if value is None else [value]
+
+    async def produce(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any] | None:
+        """Validate each payload and put it in the ring; the log process does
+        the rest (in the order this connection sent them, since the call is
+        sent before this coroutine first yields)."""
+        assert self.chan is not None
+        for td in req["topic_data"]:
+            for pd in td["partition_data"]:
+                pd["records"] = self._stage(pd["records"])
+        try:
+            reply = self.chan.call("produce", hdr.api_version, hdr.client_id, req)
+        except ChannelClosed:
+            raise ProtocolViolation("the broker is shutting down") from None
+        if req["acks"] == 0:
+            reply.add_done_callback(lambda f: f.exception())
+            return None
+        try:
+            return await reply
+        except ChannelClosed:
+            raise ProtocolViolation("the broker is shutting down") from None
+
+    def _stage(self, payload: memoryview | None) -> tuple[Any, ...]:
+        if payload is None or len(payload) == 0:
+            return ("error", ErrorCode.INVALID_RECORD, "no records")
+        try:
+            _native.validate_batches(payload, self.cfg.validate_compressed)
+        except _native.BatchError as exc:
+            return ("error", exc.code, str(exc))
+        n = len(payload)
+        if n > self.ring.size:
+            return ("error", ErrorCode.MESSAGE_TOO_LARGE, f"{n} bytes exceed the produce buffer")
+        start = self.ring.alloc(n)
+        if start is None:
+            return ("error", ErrorCode.NOT_ENOUGH_REPLICAS, RING_FULL)
+        self.ring.view(start, n)[:] = payload
+        return ("ring", self.slot, start, n)
+
+    # ---------------------------------------------------------------- Fetch
+    async def fetch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        deadline = time.monotonic() + req["max_wait_ms"] / 1000
+        while True:
+            changed = self._changed
+            responses, total, errors = await self._fetch_once(hdr, req)
+            remaining = deadline - time.monotonic()
+            if total >= req["min_bytes"] or errors or remaining <= 0:
+                return {"throttle_time_ms": 0, "error_code": 0, "session_id": 0, "responses": responses}
+            for cb in ON_SENT.get():  # nothing worth sending yet: let the cache reuse what we looked at
+                cb()
+            ON_SENT.get().clear()
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    async def _view(self, name: str | None, topic_id: bytes | None, p: int) -> PartitionView:
+        if name is None and topic_id is not None:
+            name = self.topic_ids.get(topic_id)
+        view = self.views.get((name, p)) if name is not None else None
+        if view is not None:
+            return view
+        assert self.chan is not None
+        self._opening += 1
+        try:
+            reply = await self.chan.call("view", name, topic_id, p)
+        except ChannelClosed:
+            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, "the broker is shutting down") from None
+        finally:
+            self._opening -= 1
+            early = self._early
+            if not self._opening:
+                self._early = []
+        if "error" in reply:
+            raise LogError(ErrorCode(reply["error"]), reply["message"])
+        name = reply["topic"]
+        self.topic_ids[reply["topic_id"]] = name
+        view = self.views.get((name, p))  # another fetch may have opened it meanwhile
+        if view is None:
+            view = self.views[(name, p)] = PartitionView(self.store, self.cache, self.cfg.readahead_bytes, reply)
+            for args in early:
+                if (args[0], args[1]) == (name, p) and (name, p) in self.views:
+                    self._apply(view, *args)
+        if (name, p) not in self.views:
+            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{name}/{p} moved while it was opened")
+        return view
+
+    async def _fetch_once(self, hdr: RequestHeader, req: dict[str, Any]) -> tuple[list[dict[str, Any]], int, bool]:
+        budget = req.get("max_bytes", 0x7FFFFFFF)
+        total, errors = 0, False
+        responses = []
+        for t in req["topics"]:
+            by_id = hdr.api_version >= 13
+            name = None if by_id else t["topic"]
+            parts = []
+            for p in t["partitions"]:
+                r = {"partition_index": p["partition"], "error_code": 0, "high_watermark": -1,
+                     "last_stable_offset": -1, "log_start_offset": -1, "aborted_transactions": None,
+                     "preferred_read_replica": -1, "records": b""}
+                parts.append(r)
+                try:
+                    view = await self._view(name, t.get("topic_id") if by_id else None, p["partition"])
+                    r["high_watermark"] = r["last_stable_offset"] = view.hw
+                    r["log_start_offset"] = view.log_start
+                    limit = min(p["partition_max_bytes"], budget - total)
+                    if limit > 0 or total == 0:
+                        chunks = await view.read(p["fetch_offset"], max(limit, 1))
+                        if chunks:
+                            r["records"] = chunks
+                            total += sum(len(c) for c in chunks)
+                except LogError as exc:
+                    r["error_code"] = exc.code
+                    errors = True
+            responses.append({"topic": t.get("topic", name or ""), "topic_id": t.get("topic_id"),
+                              "partitions": parts})
+        return responses, total, errors

@@ -1,0 +1,131 @@
+"""The pre-forked node: a killed worker is replaced with nothing acked lost, a
+dead log process takes the node down, and a full produce ring or an S3
+outage gives producers retriable errors, after which they carry on with no
+gap and no duplicate."""
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+from confluent_kafka import Producer
+
+from kafscale import _native
+from kafscale.protocol.errors import ErrorCode
+from tests.integration.clients import confluent_consume, create_topic
+from tests.integration.rawclient import RawClient
+from tests.integration.relay import Relay
+from tests.integration.test_bad_input import produce_raw
+from tests.integration.test_cluster import Stream, check_all_acked_present
+from tests.integration.test_groups import wait_for
+
+
+def test_killed_worker_is_replaced_under_load(make_broker, topic_name):
+    b = make_broker(workers=2)
+    create_topic(b.bootstrap, topic_name, partitions=2)
+    log_pid, *workers = b.children()
+    assert len(workers) == 2
+    stream = Stream(b.bootstrap, topic_name, 2)
+    try:
+        time.sleep(2)
+        victim = random.choice(workers)
+        b.signal_pid(victim, signal.SIGKILL)
+        wait_for(lambda: "starting a new one" in b.log(), 20, "the supervisor to replace the worker")
+        wait_for(lambda: len(b.children()) == 3 and victim not in b.children(), 20, "a new worker")
+        assert b.children()[0] == log_pid  # the log process carried on
+        time.sleep(2)
+    finally:
+        stream.stop()
+    assert stream.failed == 0 and len(stream.acked) > 100
+    check_all_acked_present(b.bootstrap, topic_name, 2, stream.acked)
+
+
+def test_log_process_death_stops_the_node(make_broker, topic_name):
+    b = make_broker(workers=2)
+    log_pid = b.children()[0]
+    b.signal_pid(log_pid, signal.SIGKILL)
+    assert b.proc is not None
+    assert b.proc.wait(20) != 0
+    assert "log process exited" in b.log()
+
+
+def idempotent_producer(bootstrap: str) -> tuple[Producer, dict[int, bytes], list[object]]:
+    acked: dict[int, bytes] = {}
+    errors: list[object] = []
+
+    def cb(err, msg) -> None:
+        if err is None:
+            acked[msg.offset()] = msg.value()
+        else:
+            errors.append(err)
+
+    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5,
+                  "message.timeout.ms": 120000, "on_delivery": cb})
+    return p, acked, errors
+
+
+def test_s3_outage_backpressure_then_recovery(make_broker, stack, topic_name):
+    """While S3 is unreachable the broker buffers at most its ring: past that,
+    produce is refused with a retriable error. When S3 is back, an idempotent
+    producer's records all land once each, at dense offsets."""
+    relay = Relay(stack.s3_port)
+    try:
+        b = make_broker(workers=1, ring_bytes=1024 * 1024, s3_endpoint=relay.url, s3_timeout_s=5)
+        create_topic(b.bootstrap, topic_name)
+        p, acked, errors = idempotent_producer(b.bootstrap)
+        sent = [b"before-%d" % i for i in range(200)]
+        for v in sent:
+            p.produce(topic_name, value=v, partition=0)
+        assert p.flush(30) == 0
+
+        relay.cut()
+        stop = threading.Event()
+
+        def keep_producing() -> None:
+            i = 0
+            while not stop.is_set():
+                v = b"during-%d-" % i + b"x" * 1000
+                try:
+                    p.produce(topic_name, value=v, partition=0)
+                    sent.append(v)
+                    i += 1
+                except BufferError:
+                    time.sleep(0.01)
+                p.poll(0.001)
+
+        t = threading.Thread(target=keep_producing)
+        t.start()
+        try:
+            # fill the rest of the ring with raw produces: they time out (kept, not durable yet) until the
+            # ring is full, then are refused at once with a retriable code
+            c = RawClient(b.bootstrap, timeout=30)
+            codes = []
+            batch = _native.build_batch([(1000, None, b"r" * 60_000, [])])
+            for _ in range(40):
+                r = produce_raw(c, topic_name, batch, timeout_ms=200)
+                codes.append(r["error_code"])
+                if r["error_code"] == ErrorCode.NOT_ENOUGH_REPLICAS:
+                    break
+            c.close()
+            assert codes[-1] == ErrorCode.NOT_ENOUGH_REPLICAS, codes
+            assert set(codes) <= {ErrorCode.REQUEST_TIMED_OUT, ErrorCode.NOT_ENOUGH_REPLICAS}, codes
+            wait_for(lambda: "failed (" in b.log(), 30, "the log process to report failing uploads")
+        finally:
+            relay.restore()
+            time.sleep(1)
+            stop.set()
+            t.join()
+        assert p.flush(90) == 0 and not errors, errors
+    finally:
+        relay.close()
+    # every record the producer sent is acked exactly once, at dense offsets
+    assert sorted(acked.values()) == sorted(sent)
+    got = confluent_consume(b.bootstrap, topic_name, max(acked) + 1)
+    offsets = [o for o, _ in got]
+    assert offsets == list(range(len(offsets)))
+    values = [r.value for _, r in got]
+    mine = [v for v in values if not v.startswith(b"r")]
+    assert sorted(mine) == sorted(sent), "each produced record exactly once"
+    for o, v in acked.items():
+        assert values[o] == v

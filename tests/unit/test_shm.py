@@ -1,0 +1,61 @@
+"""The shared-memory produce ring and segment cache (single process: the
+cross-process part is the same memory and the same atomics)."""
+from __future__ import annotations
+
+import random
+
+from kafscale.broker.shm import CacheReader, RingTracker, SharedArea, SharedCache
+from kafscale.storage.cache import CachedSegment
+
+
+def test_ring_never_overwrites_live_payloads_and_empty_ring_takes_anything():
+    area = SharedArea(1, 4096, 0)
+    ring, tracker = area.rings[0], RingTracker(area.rings[0])
+    rng = random.Random(7)
+    live: list[tuple[int, int, int]] = []
+    refused = 0
+    for step in range(50_000):
+        if live and (rng.random() < 0.5 or len(live) > 20):  # released in any order
+            start, n, tag = live.pop(rng.randrange(len(live)))
+            assert bytes(ring.view(start, n)) == bytes([tag]) * n, "a live payload was overwritten"
+            tracker.release(start)
+            continue
+        n = rng.randint(1, ring.size)
+        start = ring.alloc(n)
+        if start is None:
+            assert live, f"an empty ring refused {n} bytes"
+            refused += 1
+            continue
+        tag = step % 251
+        ring.view(start, n)[:] = bytes([tag]) * n
+        tracker.track(start, n)
+        live.append((start, n, tag))
+    assert refused > 0
+    for start, _, _ in live:
+        tracker.release(start)
+    assert ring.in_use() == 0
+    assert ring.alloc(ring.size + 1) is None
+
+
+def segment(tag: int, n: int) -> CachedSegment:
+    return CachedSegment(bytes([tag]) * n, [0], [0], body_end=n)
+
+
+def test_cache_serves_until_overwritten_and_never_overwrites_a_pinned_segment():
+    area = SharedArea(2, 64, 1000)
+    cache = SharedCache(area)
+    reader = CacheReader(area, 1)
+    cache.put("a", segment(1, 400))
+    cache.put("b", segment(2, 400))
+    ref_a = cache.refs["a"]
+    seg = reader.acquire(ref_a)  # pinned: as if being sent to a client
+    assert seg is not None and bytes(seg.data) == bytes([1]) * 400
+    cache.put("c", segment(3, 400))  # would wrap over "a": skipped while "a" is pinned
+    assert "c" not in cache.refs and cache.skipped_pinned == 1
+    assert bytes(seg.data) == bytes([1]) * 400
+    reader.release(ref_a.pos)
+    cache.put("c", segment(3, 400))
+    assert "c" in cache.refs and "a" not in cache.refs
+    assert reader.acquire(ref_a) is None  # overwritten: the worker reads S3 instead
+    got = cache.get("b")
+    assert got is not None and bytes(got.data) == bytes([2]) * 400
