@@ -177,9 +177,6 @@ class Broker:
     def _configure(self, lg: PartitionLog, meta: TopicMeta) -> None:
         lg.segment_bytes = topic_config.value(meta.config, "segment.bytes", self.cfg)
 
-    def _notify_commit(self) -> None:
-        self._commit_event.set()
-
     async def partition_log(self, topic: str, p: int) -> PartitionLog:
         key = (topic, p)
         lg = self.logs.get(key)
