@@ -106,8 +106,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
 def _store(cfg: config_mod.Config) -> Any:
     from kafscale.storage.objectstore import ObjectStore
 
-    return ObjectStore(cfg.bucket, cfg.s3_endpoint or None, cfg.s3_region, cfg.s3_access_key or None,
-                       cfg.s3_secret_key or None)
+    return ObjectStore.from_config(cfg)
 
 
 async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None) -> None:

@@ -6,12 +6,13 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from kafscale import _native
 from kafscale.broker.admin import AdminApi
 from kafscale.broker.cluster import Cluster
+from kafscale.broker.server import Handler
 from kafscale.config import Config
 from kafscale.groups.api import GroupApi
 from kafscale.groups.coordinator import GroupCoordinator
@@ -28,7 +29,6 @@ log = logging.getLogger(__name__)
 
 _TOPIC_RE = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")
 
-Handler = Callable[[RequestHeader, dict[str, Any]], Awaitable[dict[str, Any] | None]]
 # A produce payload a worker validated and put in shared memory, and how to
 # hand that memory back; or the error the worker found instead.
 Accepted = tuple[memoryview, Callable[[], None]]

@@ -28,8 +28,7 @@ class BrokerNode:
     def __init__(self, cfg: Config, cache: SegmentSource) -> None:
         self.cfg = cfg
         self.cache = cache
-        self.store = ObjectStore(cfg.bucket, cfg.s3_endpoint or None, cfg.s3_region, cfg.s3_access_key or None,
-                                 cfg.s3_secret_key or None, multipart_threshold=cfg.multipart_threshold)
+        self.store = ObjectStore.from_config(cfg)
         self.meta = MetaStore(cfg.etcd, cfg.cluster)
         self.broker: Broker | None = None
         self._lease = None

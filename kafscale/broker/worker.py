@@ -89,8 +89,7 @@ class Worker:
         self.slot = slot
         self.ring: Ring = area.rings[slot]
         self.cache = CacheReader(area, slot)
-        self.store = ObjectStore(cfg.bucket, cfg.s3_endpoint or None, cfg.s3_region, cfg.s3_access_key or None,
-                                 cfg.s3_secret_key or None)
+        self.store = ObjectStore.from_config(cfg)
         self.chan: Channel | None = None
         self.views: dict[tuple[str, int], PartitionView] = {}
         self.topic_ids: dict[bytes, str] = {}

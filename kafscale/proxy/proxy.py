@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafscale.broker.cluster import Cluster
+from kafscale.broker.server import Handler
 from kafscale.config import Config
 from kafscale.metadata.store import MetaStore
 from kafscale.protocol import schemas
@@ -61,7 +62,7 @@ class Proxy:
         self.topic_names: dict[bytes, str] = {}
         self.upstreams: dict[int, Upstream] = {}
         self._refresh_task: asyncio.Task[None] | None = None
-        self.handlers: dict[int, Callable[[RequestHeader, dict[str, Any]], Awaitable[dict[str, Any] | None]]] = {
+        self.handlers: dict[int, Handler] = {
             key: self._forward_any for key in schemas.APIS}
         self.handlers.update({key: self._partitioned for key in PARTITIONED})
         self.handlers.update({key: self._group_keyed for key in GROUP_KEYED})

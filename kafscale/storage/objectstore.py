@@ -14,6 +14,8 @@ import aioboto3
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
+from kafscale.config import Config
+
 log = logging.getLogger(__name__)
 
 MIN_PART = 5 * 1024 * 1024
@@ -37,6 +39,12 @@ class ObjectStore:
                                          region_name=region or "us-east-1")
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ObjectStore:
+        """The store a broker, worker or tool uses (empty settings: AWS defaults)."""
+        return cls(cfg.bucket, cfg.s3_endpoint or None, cfg.s3_region, cfg.s3_access_key or None,
+                   cfg.s3_secret_key or None, multipart_threshold=cfg.multipart_threshold)
 
     async def start(self) -> None:
         cfg = BotoConfig(max_pool_connections=64, retries={"max_attempts": 3, "mode": "standard"},
