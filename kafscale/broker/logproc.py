@@ -107,13 +107,13 @@ class LogService:
             lg = await self.broker.partition_log(meta.name, p)
         except LogError as exc:
             return {"error": exc.code, "message": str(exc)}
-        cached = {m.key: self.cache.refs[m.key] for m in lg.segments if self.cache.get(m.key) is not None}
+        cached = {m.key: ref for m in lg.segments if (ref := self.cache.ref(m.key)) is not None}
         return {"topic": meta.name, "topic_id": meta.id, "hw": lg.hw, "log_start": lg.log_start,
                 "segments": [dataclasses.asdict(m) for m in lg.segments], "cached": cached}
 
     # ----------------------------------------------------------------- events
     def _changed(self, lg: PartitionLog, manifest: SegmentManifest | None) -> None:
-        ref = self.cache.refs.get(manifest.key) if manifest is not None else None
+        ref = self.cache.ref(manifest.key) if manifest is not None else None
         args = (lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start,
                 None if manifest is None else dataclasses.asdict(manifest), ref)
         for ch in list(self.channels):

@@ -179,12 +179,13 @@ class KafkaServer:
 
     async def _send_loop(self, queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestHeader] | None],
                          writer: asyncio.StreamWriter, conn: int, peer: Any) -> None:
+        current: tuple[asyncio.Task[list[Any] | None], RequestHeader] | None = None
         try:
             while True:
-                item = await queue.get()
-                if item is None:
+                current = await queue.get()
+                if current is None:
                     return
-                task, hdr = item
+                task, hdr = current
                 try:
                     chunks = await task
                 except ProtocolViolation as exc:
@@ -195,25 +196,27 @@ class KafkaServer:
                     log.exception("conn %d from %s: request failed; closing the connection", conn, peer)
                     writer.close()
                     return
-                finally:
-                    if task.done() and (task.cancelled() or task.exception() is not None):
-                        _sent(hdr)
+                for chunk in chunks or ():  # one by one: the transport copies only what the socket did not take
+                    writer.write(chunk)
+                run_on_sent(hdr.on_sent)
+                current = None
                 if chunks is not None:
-                    for chunk in chunks:  # one by one: the transport copies only what the socket did not take
-                        writer.write(chunk)
-                    _sent(hdr)
                     await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            # requests that will not be answered now still release what they hold
+            dropped = [current] if current is not None else []
             while not queue.empty():
-                item = queue.get_nowait()
+                dropped.append(queue.get_nowait())
+            for item in dropped:
                 if item is not None:
                     item[0].cancel()
-                    item[0].add_done_callback(lambda _t, h=item[1]: _sent(h))
+                    item[0].add_done_callback(lambda _t, h=item[1]: run_on_sent(h.on_sent))
 
 
-def _sent(hdr: RequestHeader) -> None:
-    callbacks, hdr.on_sent[:] = list(hdr.on_sent), []
-    for cb in callbacks:
+def run_on_sent(callbacks: list[Callable[[], None]]) -> None:
+    """Run and clear a request's on_sent callbacks (see RequestHeader.on_sent)."""
+    pending, callbacks[:] = list(callbacks), []
+    for cb in pending:
         cb()

@@ -162,9 +162,14 @@ class SharedCache:
         while self.refs and next(iter(self.refs.values())).pos < floor:
             self.refs.popitem(last=False)
 
-    def get(self, key: str) -> CachedSegment | None:
+    def ref(self, key: str) -> CacheRef | None:
+        """Where `key` is cached, if it has not been overwritten since."""
         ref = self.refs.get(key)
-        if ref is None or ref.pos < self._oldest_valid():
+        return None if ref is None or ref.pos < self._oldest_valid() else ref
+
+    def get(self, key: str) -> CachedSegment | None:
+        ref = self.ref(key)
+        if ref is None:
             return None
         off = ref.pos % self.size
         return CachedSegment(self.data[off:off + ref.size], ref.bases, ref.positions)

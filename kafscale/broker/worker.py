@@ -15,7 +15,7 @@ from typing import Any
 
 from kafscale import _native
 from kafscale.broker.ipc import Channel, ChannelClosed
-from kafscale.broker.server import ON_SENT, KafkaServer, ProtocolViolation
+from kafscale.broker.server import ON_SENT, KafkaServer, ProtocolViolation, run_on_sent
 from kafscale.broker.shm import CacheReader, CacheRef, Ring, SharedArea
 from kafscale.config import Config
 from kafscale.metadata.store import SegmentManifest
@@ -207,9 +207,7 @@ class Worker:
             remaining = deadline - time.monotonic()
             if total >= req["min_bytes"] or errors or remaining <= 0:
                 return {"throttle_time_ms": 0, "error_code": 0, "session_id": 0, "responses": responses}
-            for cb in ON_SENT.get():  # nothing worth sending yet: let the cache reuse what we looked at
-                cb()
-            ON_SENT.get().clear()
+            run_on_sent(ON_SENT.get())  # nothing worth sending yet: let the cache reuse what we looked at
             try:
                 await asyncio.wait_for(changed.wait(), remaining)
             except TimeoutError:

@@ -149,10 +149,10 @@ class LogReader:
         if w.at_end:
             if i + 1 >= len(self.segments):
                 return
-            key, pos = self.segments[i + 1].key, HEADER_SIZE
-            m = self.segments[i + 1]
+            m, pos = self.segments[i + 1], HEADER_SIZE
         else:
-            key, pos, m = w.key, w.next_position, self.segments[i]
+            m, pos = self.segments[i], w.next_position
+        key = m.key
         if self._next is not None and self._next[:2] == (key, pos):
             return
         if self._next is not None:
