@@ -98,7 +98,8 @@ def test_spread_and_failover_after_sigkill(make_cluster, topic_name, tmp_path):
     brokers = make_cluster(3, lease_ttl_s=2, balance_interval_ms=500)
     boot = bootstrap(brokers)
     create_topic(boot, topic_name, partitions=6)
-    assert len(set(leaders(boot, topic_name).values())) >= 2, "partitions spread over the brokers"
+    # each broker learns of the others within one balance interval
+    wait_for(lambda: len(set(leaders(boot, topic_name).values())) >= 2, 10, "partitions to spread over the brokers")
     group = f"g-{topic_name}"
     member = Member("confluent", boot, group, topic_name, tmp_path / "m.txt")
     stream = Stream(boot, topic_name, 6)
