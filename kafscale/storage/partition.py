@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from kafscale import _native
@@ -28,6 +28,8 @@ from kafscale.storage.segment import build_segment, index_key, segment_key
 log = logging.getLogger(__name__)
 
 __all__ = ["LogError", "PartitionLog"]
+
+MAX_FLUSHES = 4  # segments of one partition uploading at once (bounds memory to 4 segments)
 
 
 @dataclass
@@ -66,7 +68,7 @@ class PartitionLog(LogReader):
         self.epoch = 0
         self._state_raw = b""
         self._pending: list[_Pending] = []
-        self._inflight: list[_Pending] = []  # taken by the flush under way
+        self._inflight: list[_Pending] = []  # taken by the flushes under way, in offset order
         self._pending_bytes = 0
         self._first_pending_at = 0.0
         self._wake = asyncio.Event()
@@ -74,6 +76,8 @@ class PartitionLog(LogReader):
         self._idle = asyncio.Event()  # set while nothing is queued or being flushed
         self._idle.set()
         self._flusher: asyncio.Task[None] | None = None
+        self._flushes: set[asyncio.Task[None]] = set()  # segments being uploaded or committed
+        self._flush_slots = asyncio.Semaphore(MAX_FLUSHES)
         self._producers: dict[int, _ProducerState] = {}
         self.closed = False
         self._on_change = on_change  # a segment committed (with it), the log start moved or the log closed
@@ -96,9 +100,10 @@ class PartitionLog(LogReader):
         if drain_s > 0 and self._flusher and not self._flusher.done():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), drain_s)
-        if self._flusher:
-            self._flusher.cancel()
-            await asyncio.gather(self._flusher, return_exceptions=True)
+        tasks = [t for t in (self._flusher, *self._flushes) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._fail_pending(self._inflight + self._pending, code)
         self._pending, self._inflight = [], []
         self.stop_reading()
@@ -167,12 +172,17 @@ class PartitionLog(LogReader):
         return None
 
     async def _flush_loop(self) -> None:
+        """Cut segments from the queue. Up to MAX_FLUSHES segments upload at
+        once; each commits to etcd only after the one before it, so the high
+        watermark and the acknowledgements still move in offset order."""
+        prev: asyncio.Task[None] | None = None
         while True:
             await self._wake.wait()
             if self._pending_bytes < self.segment_bytes:  # linger from the oldest queued batch
                 wait = self._first_pending_at + self.cfg.linger_ms / 1000 - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
+            await self._flush_slots.acquire()
             take, size = [], 0
             for p in self._pending:
                 if take and size + len(p.payload) > self.segment_bytes:
@@ -184,21 +194,30 @@ class PartitionLog(LogReader):
             self._first_pending_at = time.monotonic()
             if not self._pending:
                 self._wake.clear()
-            self._inflight = take
-            try:
-                await self._flush(take)
-                self._inflight = []
-                if not self._pending:
-                    self._idle.set()
-            except Fenced:
-                log.warning("%s/%d: fenced by a newer owner; failing %d pending appends", self.topic,
-                            self.partition, len(take) + len(self._pending))
-                self._fail_pending(take, ErrorCode.NOT_LEADER_OR_FOLLOWER)
-                self.closed = True
-                self._fail_pending(self._pending, ErrorCode.NOT_LEADER_OR_FOLLOWER)
-                self._pending = []
-                self._on_change(self, None)
-                return
+            self._inflight.extend(take)
+            prev = asyncio.create_task(self._flush(take, prev), name=f"flush {self.topic}/{self.partition}")
+            self._flushes.add(prev)
+            prev.add_done_callback(self._flush_done)
+
+    def _flush_done(self, task: asyncio.Task[None]) -> None:
+        self._flushes.discard(task)
+        self._flush_slots.release()
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None and not self.closed:  # fenced (or a bug): nothing queued here can become durable
+            log.log(logging.WARNING if isinstance(exc, Fenced) else logging.ERROR,
+                    "%s/%d: %s; failing %d pending appends", self.topic, self.partition,
+                    "fenced by a newer owner" if isinstance(exc, Fenced) else f"flush failed: {exc!r}",
+                    len(self._inflight) + len(self._pending), exc_info=not isinstance(exc, Fenced))
+            self.closed = True
+            if self._flusher is not None:
+                self._flusher.cancel()
+            for t in self._flushes:
+                t.cancel()
+            self._fail_pending(self._inflight + self._pending, ErrorCode.NOT_LEADER_OR_FOLLOWER)
+            self._pending, self._inflight = [], []
+            self._on_change(self, None)
+        if not self._flushes and not self._pending:
+            self._idle.set()
 
     def _fail_pending(self, items: list[_Pending], code: ErrorCode) -> None:
         for p in items:
@@ -206,31 +225,46 @@ class PartitionLog(LogReader):
             if p.future is not None and not p.future.done():
                 p.future.set_exception(LogError(code))
 
-    async def _flush(self, items: list[_Pending]) -> None:
+    async def _retry(self, what: str, step: Callable[[], Awaitable[None]]) -> None:
+        """Run step until it succeeds: S3 or etcd being down keeps the data
+        queued (and producers waiting), never drops it. Fenced is final."""
+        delay = 0.05
+        while True:
+            try:
+                return await step()
+            except Fenced:
+                raise
+            except Exception as exc:
+                log.warning("%s/%d: %s failed (%s); retrying in %.2fs", self.topic, self.partition, what,
+                            repr(exc) if isinstance(exc, TimeoutError) else exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _flush(self, items: list[_Pending], prev: asyncio.Task[None] | None) -> None:
         seg = build_segment([(p.payload, p.base) for p in items], int(time.time() * 1000))
         for p in items:
             p.done_with_payload()
         key = segment_key(self.cfg.namespace, self.topic, self.partition, seg.base_offset, self.epoch)
         manifest = SegmentManifest(seg.base_offset, seg.last_offset, seg.count, len(seg.data), seg.min_timestamp,
                                    seg.max_timestamp, key, int(time.time() * 1000))
-        delay = 0.05
-        while True:
-            try:
-                await asyncio.wait_for(self._upload(key, seg.data, seg.index), self.cfg.s3_timeout_s)
-                async with self._commit_lock:
-                    new_state = PartitionState(self.cfg.node_id, self.epoch, seg.last_offset + 1, self.log_start)
-                    self._state_raw = await self._commit(new_state, manifest)
-                    self.add_segment(manifest)
-                    self.hw = seg.last_offset + 1
-                break
-            except Fenced:
-                raise
-            except Exception as exc:  # S3 or etcd unavailable: keep the data and retry
-                log.warning("%s/%d: flush of %s failed (%s); retrying in %.2fs", self.topic, self.partition, key,
-                            repr(exc) if isinstance(exc, TimeoutError) else exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        await self._retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, seg.data, seg.index),
+                                                                       self.cfg.s3_timeout_s))
+        if prev is not None:
+            await asyncio.wait([prev])  # commit in offset order
+            if prev.cancelled() or prev.exception() is not None:
+                return  # the log was fenced or closed; our appends were failed with it
+
+        async def commit() -> None:
+            async with self._commit_lock:
+                new_state = PartitionState(self.cfg.node_id, self.epoch, seg.last_offset + 1, self.log_start)
+                self._state_raw = await self._commit(new_state, manifest)
+                self.add_segment(manifest)
+                self.hw = seg.last_offset + 1
+
+        await self._retry(f"commit of {key}", commit)
         self.cache.put(key, CachedSegment.from_built(seg))
+        done = {id(p) for p in items}
+        self._inflight = [p for p in self._inflight if id(p) not in done]
         for p in items:
             if p.future is not None and not p.future.done():
                 p.future.set_result(p.base)
@@ -239,13 +273,16 @@ class PartitionLog(LogReader):
     async def _upload(self, key: str, data: bytearray, index: bytes) -> None:
         """Write both objects once. The key carries our epoch, which only this
         process holds, so an existing object is our own earlier attempt at this
-        very segment (same bytes) whose reply was lost."""
-        for k, body in ((key, data), (index_key(key), index)):
+        very segment (same bytes) whose reply was lost. The two PUTs run
+        concurrently: nothing reads either object before the etcd commit."""
+        async def put(k: str, body: bytes | bytearray) -> None:
             try:
                 await self.store.put(k, body)
             except ObjectExists:
                 if await self.store.size(k) != len(body):
                     raise Fenced(f"{k} exists with other content: another writer holds epoch {self.epoch}") from None
+
+        await asyncio.gather(put(key, data), put(index_key(key), index))
 
     async def _commit(self, new_state: PartitionState, manifest: SegmentManifest) -> bytes:
         try:
