@@ -8,7 +8,9 @@
 4. acks=all latency of single records at a low rate (histogram, p99), against
    linger + 2 x the 64 KiB PUT p99;
 5. consume catch-up from a freshly started broker (cold cache) against raw
-   S3 GET MB/s of the same segment objects;
+   S3 GET MB/s of the same segment objects, the peak memory of the broker's
+   processes meanwhile, and the same read again from the warm cache (what the
+   client itself can take on this machine);
 
 and prints each broker figure as a ratio of its baseline.
 
@@ -144,13 +146,24 @@ def consume_mbps(bootstrap: str, topic: str, partitions: int) -> tuple[float, in
     total = 0
     t0 = time.perf_counter()
     while any(done[p] < ends[p] for p in ends):
-        for m in c.consume(10000, 1.0):
+        for m in c.consume(10000, 0.05):  # a long timeout would wait out the last partial batch
             if m.error() is None:
                 total += len(m.value() or b"")
                 done[m.partition()] = m.offset() + 1
     elapsed = time.perf_counter() - t0
     c.close()
     return total / elapsed / (1 << 20), sum(ends.values())
+
+
+def broker_peak_rss(supervisor: int) -> dict[int, int]:
+    """Peak resident memory (VmHWM, MiB) of each of the broker's processes;
+    shared-memory pages count in every process that touched them."""
+    out = {}
+    for pid in [supervisor, *map(int, Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split())]:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                out[pid] = int(line.split()[1]) >> 10
+    return out
 
 
 def histogram(lat: list[float]) -> str:
@@ -206,6 +219,8 @@ def main() -> None:
                     proc, bootstrap = start_broker(stack, Path(tmp), cluster, workers=str(workers))
                     try:
                         cold, _ = consume_mbps(bootstrap, "bench1k", args.partitions)
+                        peak_rss = broker_peak_rss(proc.pid)
+                        warm, _ = consume_mbps(bootstrap, "bench1k", args.partitions)
                     finally:
                         proc.send_signal(signal.SIGTERM)
                         proc.wait(60)
@@ -229,6 +244,10 @@ def main() -> None:
     print(histogram(lat))
     print(f"consume catch-up, cold cache:            {cold:8.1f} MiB/s  vs raw S3 GET {get:.1f} MiB/s "
           f"= {cold / get:.2f}")
+    print(f"consume again, same broker (warm):       {warm:8.1f} MiB/s  (the client's ceiling here); "
+          f"cold / warm = {cold / warm:.2f}")
+    print(f"broker peak RSS while catching up on {args.mib} MiB: "
+          + ", ".join(f"{mib} MiB" for mib in peak_rss.values()) + " (supervisor, log process, workers)")
 
 
 if __name__ == "__main__":

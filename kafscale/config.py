@@ -34,7 +34,7 @@ class Config:
     multipart_threshold: int = _opt(16 * 1024 * 1024, "segments above this size upload as multipart")
     cache_bytes: int = _opt(256 * 1024 * 1024, "shared-memory cache of recent segments that workers serve Fetch from")
     s3_timeout_s: int = _opt(30, "longest one attempt at uploading a segment may take before it is retried")
-    readahead_bytes: int = _opt(4 * 1024 * 1024, "size of each ranged S3 GET (and read-ahead) for uncached segments")
+    readahead_bytes: int = _opt(16 * 1024 * 1024, "size of each ranged S3 GET (and read-ahead) for uncached segments")
     workers: int = _opt(0, "protocol worker processes (0: one per CPU core)")
     ring_bytes: int = _opt(64 * 1024 * 1024, "shared-memory produce buffer per worker; when full, produce gets "
                            "a retriable error (backpressure)")
@@ -67,12 +67,17 @@ def _convert(f: dataclasses.Field, raw: Any) -> Any:
     return str(raw)
 
 
-def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+STORE_FIELDS = ("etcd", "cluster", "s3_endpoint", "s3_region", "s3_access_key", "s3_secret_key", "bucket", "namespace")
+
+
+def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                  only: tuple[str, ...] | None = None) -> None:
     """One flag per Config field: --node-id, --s3-endpoint, ... (defaults None so
-    that unset flags do not override the file or the environment)."""
+    that unset flags do not override the file or the environment); with
+    `only`, just those fields (STORE_FIELDS: where the data is)."""
     parser.add_argument("--config", help="TOML file with Config fields")
     for f in dataclasses.fields(Config):
-        if f.name in skip:
+        if f.name in skip or (only is not None and f.name not in only):
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):

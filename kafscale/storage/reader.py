@@ -114,6 +114,8 @@ class LogReader:
             if not to_end:
                 break
             offset, i = m.last + 1, i + 1
+        if offset >= self.hw:  # caught up: recent segments come from the cache, so let the windows go
+            self.stop_reading()
         return out
 
     async def _read_segment(self, i: int, offset: int, max_bytes: int) -> tuple[memoryview | bytes, bool]:
