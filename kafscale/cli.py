@@ -215,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kafscale.tools import add_parsers
     add_parsers(sub, _kafka_command)
+    from kafscale.spark.replay import add_parser as add_replay
+    add_replay(sub)
     return parser
 
 

@@ -162,3 +162,20 @@ def broker(stack: DevStack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.fixture
 def topic_name() -> str:
     return f"topic-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator:
+    """One local Spark session (2 cores) with the kafscale data source registered."""
+    pytest.importorskip("pyspark")
+    from pyspark.sql import SparkSession
+
+    from kafscale.spark import register
+
+    session = (SparkSession.builder.master("local[2]").appName("kafscale-tests")
+               .config("spark.sql.session.timeZone", "UTC").config("spark.ui.enabled", "false")
+               .config("spark.sql.shuffle.partitions", "4").getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    register(session)
+    yield session
+    session.stop()

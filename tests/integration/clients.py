@@ -35,8 +35,9 @@ def create_topic(bootstrap: str, name: str, partitions: int = 1, config: dict[st
 
 
 def confluent_produce(bootstrap: str, topic: str, recs: list[Rec], codec: str = "none", partition: int = 0,
-                      **extra: object) -> list[int]:
-    """Produce with librdkafka, acks=all; returns the offsets in input order."""
+                      timestamps: list[int] | None = None, **extra: object) -> list[int]:
+    """Produce with librdkafka, acks=all (with the given CreateTime timestamps,
+    ms); returns the offsets in input order."""
     p = Producer({"bootstrap.servers": bootstrap, "compression.type": codec, "acks": "all", "linger.ms": 5,
                   "message.max.bytes": 4 * 1024 * 1024, **extra})
     offsets: list[int] = [-1] * len(recs)
@@ -52,7 +53,7 @@ def confluent_produce(bootstrap: str, topic: str, recs: list[Rec], codec: str = 
 
     for i, r in enumerate(recs):
         p.produce(topic, value=r.value, key=r.key, headers=list(r.headers) or None, partition=partition,
-                  on_delivery=report(i))
+                  on_delivery=report(i), timestamp=timestamps[i] if timestamps else 0)
         p.poll(0)
     assert p.flush(60) == 0, "messages still queued after 60s"
     assert not errors, errors

@@ -1,0 +1,259 @@
+"""Reading a topic straight from its segment objects, with no broker: which
+objects hold an offset or time range (from the manifests in etcd, or from an
+S3 listing when no etcd is given), how to cut them into slices of about a
+given size along index entries, and decoding a slice's records.
+
+Used by the Spark data source (kafscale.spark.source) and the Iceberg
+processor; nothing here imports pyspark."""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kafscale import _native
+from kafscale.config import Config
+from kafscale.metadata.store import MetaStore, SegmentManifest
+from kafscale.storage.objectstore import ObjectStore
+from kafscale.storage.segment import FOOTER, FOOTER_SIZE, HEADER_SIZE, index_key, parse_index
+
+EARLIEST, LATEST = -2, -1  # Kafka's special offsets in startingOffsets / endingOffsets
+_KEY = re.compile(r"/(\d+)/segment-(\d{20})-(\d{10})\.kfs$")
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Where the segments are, and optionally the etcd holding their manifests."""
+    bucket: str
+    namespace: str
+    endpoint: str | None = None
+    region: str | None = None
+    access_key: str | None = None
+    secret_key: str | None = None
+    etcd: str | None = None
+    cluster: str = "default"
+
+    @classmethod
+    def from_config(cls, cfg: Config, use_etcd: bool = True) -> StoreOptions:
+        return cls(cfg.bucket, cfg.namespace, cfg.s3_endpoint or None, cfg.s3_region, cfg.s3_access_key or None,
+                   cfg.s3_secret_key or None, cfg.etcd if use_etcd else None, cfg.cluster)
+
+    @classmethod
+    def from_source_options(cls, options: dict[str, str]) -> StoreOptions:
+        o = {k.lower(): v for k, v in options.items()}
+        if not o.get("bucket"):
+            raise ValueError("option 'bucket' is required")
+        return cls(o["bucket"], o.get("namespace", "kafscale"), o.get("endpoint") or None, o.get("region"),
+                   o.get("accesskey"), o.get("secretkey"), o.get("etcd") or None, o.get("cluster", "default"))
+
+    def as_source_options(self) -> dict[str, str]:
+        """The same settings as options of spark.read.format("kafscale")."""
+        names = {"bucket": self.bucket, "namespace": self.namespace, "endpoint": self.endpoint,
+                 "region": self.region, "accessKey": self.access_key, "secretKey": self.secret_key,
+                 "etcd": self.etcd, "cluster": self.cluster}
+        return {k: v for k, v in names.items() if v}
+
+    def store(self) -> ObjectStore:
+        return ObjectStore(self.bucket, self.endpoint, self.region, self.access_key, self.secret_key)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One committed segment object of a partition."""
+    partition: int
+    key: str
+    base: int
+    last: int
+    size: int  # whole object, header and footer included
+    min_ts: int = -1  # -1: not known (S3 listing)
+    max_ts: int = -1
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Records [start, end) of one segment, found in bytes [pos, pos_end) of it."""
+    topic: str
+    partition: int
+    key: str
+    pos: int
+    pos_end: int
+    start: int
+    end: int
+
+
+async def list_segments(opts: StoreOptions, topic: str) -> dict[int, tuple[list[Segment], int, int]]:
+    """Per partition: its committed segments in offset order, the log start
+    offset and the high watermark."""
+    if opts.etcd:
+        return await _from_etcd(opts, topic)
+    return await _from_listing(opts, topic)
+
+
+async def _from_etcd(opts: StoreOptions, topic: str) -> dict[int, tuple[list[Segment], int, int]]:
+    meta = MetaStore(opts.etcd or "", opts.cluster)
+    await meta.start()
+    try:
+        tm = await meta.get_topic(topic)
+        if tm is None:
+            raise ValueError(f"topic {topic!r} does not exist in cluster {opts.cluster!r}")
+        out = {}
+        for p in range(tm.partitions):
+            state = await meta.get_partition(topic, p)
+            hw, start = (state[0].hw, state[0].log_start) if state else (0, 0)
+            segs = [_segment(p, m) for m in await meta.list_segments(topic, p) if start <= m.last < hw]
+            out[p] = (segs, max(start, segs[0].base if segs else start), hw)
+        return out
+    finally:
+        await meta.close()
+
+
+def _segment(p: int, m: SegmentManifest) -> Segment:
+    return Segment(p, m.key, m.base, m.last, m.size, m.min_ts, m.max_ts)
+
+
+async def _from_listing(opts: StoreOptions, topic: str) -> dict[int, tuple[list[Segment], int, int]]:
+    """Segments found by listing the bucket. A segment that an old owner wrote
+    but never committed can share its base offset with the new owner's: the
+    higher epoch in the key wins. A segment's last offset is the next one's
+    base minus one; only the newest segment's footer is read."""
+    found: dict[int, dict[int, tuple[int, str, int]]] = {}
+    async with opts.store() as store:
+        for obj in await store.list(f"{opts.namespace}/{topic}/"):
+            m = _KEY.search(obj["Key"])
+            if m is None or not obj["Key"].startswith(f"{opts.namespace}/{topic}/"):
+                continue
+            p, base, epoch = int(m[1]), int(m[2]), int(m[3])
+            cur = found.setdefault(p, {}).get(base)
+            if cur is None or epoch > cur[0]:
+                found[p][base] = (epoch, obj["Key"], int(obj["Size"]))
+        out = {}
+        for p, by_base in found.items():
+            bases = sorted(by_base)
+            segs = []
+            for i, base in enumerate(bases):
+                _, key, size = by_base[base]
+                if i + 1 < len(bases):
+                    last = bases[i + 1] - 1
+                else:
+                    last = FOOTER.unpack(await store.get(key, size - FOOTER_SIZE, size))[1]
+                segs.append(Segment(p, key, base, last, size))
+            out[p] = (segs, bases[0], segs[-1].last + 1)
+        return out
+
+
+def parse_offsets(spec: str | None, topic: str, default: int) -> dict[int, int] | int:
+    """Kafka's startingOffsets / endingOffsets: "earliest", "latest" or JSON
+    {"topic": {"0": 23, "1": -2}}, or one number for every partition. Returns one offset for every partition, or
+    a per-partition map (partitions not named take `default`)."""
+    import json
+
+    if spec is None or spec == "":
+        return default
+    if spec in ("earliest", "latest"):
+        return EARLIEST if spec == "earliest" else LATEST
+    if spec.lstrip("-").isdigit():  # one offset for every partition (an extension of Kafka's options)
+        return int(spec)
+    parsed = json.loads(spec)
+    if not isinstance(parsed, dict) or topic not in parsed:
+        raise ValueError(f"offsets {spec!r} must be earliest, latest or JSON naming topic {topic!r}")
+    return {int(p): int(o) for p, o in parsed[topic].items()}
+
+
+def _resolve(spec: dict[int, int] | int, p: int, log_start: int, hw: int, default: int) -> int:
+    o = spec.get(p, default) if isinstance(spec, dict) else spec
+    if o == EARLIEST:
+        return log_start
+    if o == LATEST:
+        return hw
+    return min(max(o, log_start), hw)
+
+
+async def offset_for_time(store: ObjectStore, segs: list[Segment], ts: int, hw: int) -> int:
+    """First offset whose record timestamp is >= ts (hw when there is none).
+    Reads one segment at most: the first whose newest record is new enough."""
+    for s in segs:
+        if s.max_ts != -1 and s.max_ts < ts:
+            continue
+        data = await store.get(s.key, HEADER_SIZE, s.size - FOOTER_SIZE)
+        for b in _native.scan_batches(data):
+            if b.max_timestamp < ts:
+                continue
+            for off, rts, _, _, _ in _native.iter_records(b, data):
+                if rts >= ts:
+                    return off
+    return hw
+
+
+async def plan(opts: StoreOptions, topic: str, starting: str | None = None, ending: str | None = None,
+               starting_ts: int | None = None, ending_ts: int | None = None,
+               max_slice_bytes: int = 128 << 20) -> list[Slice]:
+    """The slices holding records [start, end) of every partition: start from
+    startingOffsets or startingTimestamp (default earliest), end (exclusive)
+    from endingOffsets or endingTimestamp (default latest)."""
+    start_spec = parse_offsets(starting, topic, EARLIEST)
+    end_spec = parse_offsets(ending, topic, LATEST)
+    slices: list[Slice] = []
+    async with opts.store() as store:
+        for p, (segs, log_start, hw) in sorted((await list_segments(opts, topic)).items()):
+            start = _resolve(start_spec, p, log_start, hw, EARLIEST)
+            end = _resolve(end_spec, p, log_start, hw, LATEST)
+            if starting_ts is not None:
+                start = max(start, await offset_for_time(store, segs, starting_ts, hw))
+            if ending_ts is not None:
+                end = min(end, await offset_for_time(store, segs, ending_ts, hw))
+            for s in segs:
+                if s.last < start or s.base >= end:
+                    continue
+                slices.extend(await _cut(store, topic, s, start, end, max_slice_bytes))
+    return slices
+
+
+async def _cut(store: ObjectStore, topic: str, s: Segment, start: int, end: int, max_bytes: int) -> list[Slice]:
+    """One slice for the part of segment s inside [start, end), or several of
+    about max_bytes each cut at index entries (batch boundaries) when it is
+    bigger. The index is read only for a segment that needs it."""
+    body_end = s.size - FOOTER_SIZE
+    lo, hi = max(start, s.base), min(end, s.last + 1)
+    if s.size <= max_bytes and lo == s.base:
+        return [Slice(topic, s.partition, s.key, HEADER_SIZE, body_end, lo, hi)]
+    idx = parse_index(await store.get(index_key(s.key)))
+    first = max(bisect.bisect_right(idx.offsets, lo) - 1, 0)
+    last = max(bisect.bisect_left(idx.offsets, hi) - 1, first)  # the entry at or before the range's last batch
+    cuts = [first]
+    for i in range(first + 1, last + 1):
+        if idx.positions[i] - idx.positions[cuts[-1]] >= max_bytes:
+            cuts.append(i)
+    out = []
+    for n, i in enumerate(cuts):
+        pos = idx.positions[i] if idx.positions else HEADER_SIZE
+        pos_end = idx.positions[cuts[n + 1]] if n + 1 < len(cuts) else body_end
+        a = lo if n == 0 else idx.offsets[i]
+        b = hi if n + 1 == len(cuts) else idx.offsets[cuts[n + 1]]
+        out.append(Slice(topic, s.partition, s.key, pos, pos_end, a, b))
+    return out
+
+
+def read_slice(store: ObjectStore, sl: Slice) -> bytes:
+    """The slice's bytes, with one ranged GET (run from synchronous code)."""
+    return asyncio.run(_get(store, sl))
+
+
+async def _get(store: ObjectStore, sl: Slice) -> bytes:
+    async with store:
+        return await store.get(sl.key, sl.pos, sl.pos_end)
+
+
+def records(sl: Slice, data: bytes) -> Iterator[tuple[int, int, int, bytes | None, bytes | None, list[Any]]]:
+    """(offset, timestamp, timestamp type, key, value, headers) of the slice's
+    records in [start, end), decompressing batches as needed. Timestamp type
+    0 is CreateTime, 1 LogAppendTime (then every record has the batch's)."""
+    for b in _native.scan_batches(data, True):
+        if b.base_offset + b.last_offset_delta < sl.start or b.base_offset >= sl.end:
+            continue
+        log_append = (b.attributes >> 3) & 1
+        for off, ts, key, value, headers in _native.iter_records(b, data):
+            if sl.start <= off < sl.end:
+                yield off, b.max_timestamp if log_append else ts, log_append, key, value, headers

@@ -1,0 +1,91 @@
+"""An HTTP proxy in front of the real S3 server that records each request's
+method and path, so that a test can count which objects a reader GETs."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from urllib.parse import unquote, urlsplit
+
+from kafscale.devstack import free_port
+
+
+class S3RequestLog:
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.requests: list[tuple[str, str]] = []  # (method, path without the query)
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept_loop, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def clear(self) -> None:
+        with self._lock:
+            self.requests.clear()
+
+    def gets(self, suffix: str) -> list[str]:
+        """Object keys (bucket/key) fetched with GET whose name ends with suffix."""
+        with self._lock:
+            return [p.lstrip("/") for m, p in self.requests if m == "GET" and p.endswith(suffix)]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.close()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._requests, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
+
+    def _requests(self, src: socket.socket, dst: socket.socket) -> None:
+        """Forward requests one by one, noting each; bodies pass unparsed."""
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = src.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, target = lines[0].split(" ")[:2]
+                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+                with self._lock:
+                    self.requests.append((method, unquote(urlsplit(target).path)))
+                dst.sendall(head + b"\r\n\r\n")
+                left = int(headers.get("content-length", "0"))
+                while left > 0:
+                    if not buf:
+                        buf = src.recv(65536)
+                        if not buf:
+                            return
+                    chunk, buf = buf[:left], buf[left:]
+                    dst.sendall(chunk)
+                    left -= len(chunk)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()
