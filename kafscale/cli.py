@@ -215,8 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kafscale.tools import add_parsers
     add_parsers(sub, _kafka_command)
+    from kafscale.processors.iceberg import add_parser as add_processor
     from kafscale.spark.replay import add_parser as add_replay
     add_replay(sub)
+    add_processor(sub)
     return parser
 
 

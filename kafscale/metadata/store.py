@@ -243,6 +243,18 @@ class MetaStore:
         await self.client.delete_range(start, prefix_range_end(start))
 
     # ----------------------------------------------------------------- groups
+    # ------------------------------------------------------------ processors
+    async def save_checkpoint(self, processor: str, topic: str, offsets: dict[int, int]) -> None:
+        """A processor's next offset per partition of topic, in one transaction."""
+        tx = self.client.transactions
+        await self.client.transaction(compare=[], success=[
+            tx.put(self.k("processors", processor, topic, p), str(o).encode()) for p, o in offsets.items()],
+            failure=[])
+
+    async def load_checkpoint(self, processor: str, topic: str) -> dict[int, int]:
+        prefix = self.k("processors", processor, topic, "")
+        return {int(kv.key[len(prefix):]): int(kv.value) for kv in await self.client.get_prefix(prefix)}
+
     async def save_group(self, group: str, state: dict[str, Any]) -> None:
         await self.client.put(self.k("groups", group), json.dumps(state).encode())
 
