@@ -11,7 +11,8 @@ RecordBatch v2 layout (big-endian), offsets from the batch start:
 The CRC32C covers bytes 21..end, so patching baseOffset or the leader epoch
 never requires recomputing it.
 """
-from libc.stdint cimport uint8_t, uint32_t, int64_t, uint64_t, int32_t
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from libc.stdint cimport INT32_MAX, uint8_t, uint32_t, int64_t, uint64_t, int32_t
 from libc.string cimport memcpy
 
 import zlib
@@ -455,6 +456,138 @@ def iter_records(BatchInfo batch, const uint8_t[::1] buf):
             pos += max(hv, 0)
         pos = rec_end
         yield batch.base_offset + off_delta, batch.base_timestamp + ts_delta, key, value, headers
+
+
+cdef class _Sink:
+    """A growable byte buffer (a bytearray and a fill mark)."""
+    cdef bytearray data
+    cdef Py_ssize_t n
+
+    def __cinit__(self):
+        self.data = bytearray(4096)
+        self.n = 0
+
+    cdef int put(self, const void *p, Py_ssize_t k) except -1:
+        cdef Py_ssize_t cap = PyByteArray_GET_SIZE(self.data)
+        if self.n + k > cap:
+            PyByteArray_Resize(self.data, max(cap * 2, self.n + k))
+        if k:
+            memcpy(PyByteArray_AS_STRING(self.data) + self.n, p, k)
+        self.n += k
+        return 0
+
+    cdef int put_i32(self, Py_ssize_t v) except -1:
+        cdef int32_t x
+        if v > INT32_MAX:
+            raise ValueError("more than 2 GiB of keys, values or headers in one decode_columns call")
+        x = <int32_t>v
+        return self.put(&x, 4)
+
+    cdef int put_u8(self, uint8_t v) except -1:
+        return self.put(&v, 1)
+
+    cdef bytes take(self):
+        return bytes(self.data[:self.n])
+
+
+def decode_columns(const uint8_t[::1] buf, list batches, int64_t start, int64_t end):
+    """The records with offsets in [start, end) of `batches` (BatchInfo of
+    batches in buf), decompressed and decoded into Arrow-style columns, raw
+    little-endian buffers a reader wraps without copying:
+
+    n; offset, timestamp (ms) as i64; timestamp_type as i32 (1: the batch is
+    LogAppendTime, its max timestamp applies to every record); key and value
+    as i32 offsets (n + 1), data bytes and validity bytes (1 = not null);
+    headers as i32 list offsets (n + 1), then per header key offsets and
+    data, value offsets, data and validity."""
+    cdef _Sink offs = _Sink(), tss = _Sink(), tst = _Sink()
+    cdef _Sink k_off = _Sink(), k_dat = _Sink(), k_ok = _Sink()
+    cdef _Sink v_off = _Sink(), v_dat = _Sink(), v_ok = _Sink()
+    cdef _Sink h_off = _Sink(), hk_off = _Sink(), hk_dat = _Sink(), hv_off = _Sink(), hv_dat = _Sink()
+    cdef _Sink hv_ok = _Sink()
+    cdef const uint8_t[::1] body
+    cdef const uint8_t *p
+    cdef Py_ssize_t pos, rec_end, bend, n = 0, nh_total = 0
+    cdef int64_t length, ts_delta, off_delta, klen, vlen, nh, hk, hv, off, ts
+    cdef int32_t i, log_append, j
+    cdef BatchInfo b
+    k_off.put_i32(0)
+    v_off.put_i32(0)
+    h_off.put_i32(0)
+    hk_off.put_i32(0)
+    hv_off.put_i32(0)
+    for b in batches:
+        if b.base_offset + b.last_offset_delta < start or b.base_offset >= end:
+            continue
+        codec = b.attributes & 7
+        raw = buf[b.position + BATCH_HEADER_SIZE:b.position + b.size]
+        body = decompress(codec, raw) if codec else raw
+        bend = body.shape[0]
+        p = &body[0] if bend else NULL
+        log_append = (b.attributes >> 3) & 1
+        pos = 0
+        for i in range(b.record_count):
+            pos = rd_varlong(p, pos, bend, &length)
+            if pos < 0 or length < 0 or pos + length > bend:
+                raise BatchError(CORRUPT_MESSAGE, "truncated record")
+            rec_end = pos + length
+            pos += 1
+            pos = rd_varlong(p, pos, rec_end, &ts_delta)
+            pos = rd_varlong(p, pos, rec_end, &off_delta) if pos >= 0 else -1
+            if pos < 0:
+                raise BatchError(CORRUPT_MESSAGE, "malformed record")
+            off = b.base_offset + off_delta
+            if off < start or off >= end:
+                pos = rec_end
+                continue
+            ts = b.max_timestamp if log_append else b.base_timestamp + ts_delta
+            offs.put(&off, 8)
+            tss.put(&ts, 8)
+            tst.put(&log_append, 4)
+            pos = rd_varlong(p, pos, rec_end, &klen)
+            if pos < 0 or (klen > 0 and pos + klen > rec_end):
+                raise BatchError(CORRUPT_MESSAGE, "malformed record key")
+            k_ok.put_u8(klen >= 0)
+            if klen > 0:
+                k_dat.put(p + pos, klen)
+                pos += klen
+            k_off.put_i32(k_dat.n)
+            pos = rd_varlong(p, pos, rec_end, &vlen)
+            if pos < 0 or (vlen > 0 and pos + vlen > rec_end):
+                raise BatchError(CORRUPT_MESSAGE, "malformed record value")
+            v_ok.put_u8(vlen >= 0)
+            if vlen > 0:
+                v_dat.put(p + pos, vlen)
+                pos += vlen
+            v_off.put_i32(v_dat.n)
+            pos = rd_varlong(p, pos, rec_end, &nh)
+            if pos < 0 or nh < 0:
+                raise BatchError(CORRUPT_MESSAGE, "malformed header count")
+            for j in range(nh):
+                pos = rd_varlong(p, pos, rec_end, &hk)
+                if pos < 0 or hk < 0 or pos + hk > rec_end:
+                    raise BatchError(CORRUPT_MESSAGE, "malformed header key")
+                hk_dat.put(p + pos, hk)
+                pos += hk
+                hk_off.put_i32(hk_dat.n)
+                pos = rd_varlong(p, pos, rec_end, &hv)
+                if pos < 0 or (hv > 0 and pos + hv > rec_end):
+                    raise BatchError(CORRUPT_MESSAGE, "malformed header value")
+                hv_ok.put_u8(hv >= 0)
+                if hv > 0:
+                    hv_dat.put(p + pos, hv)
+                    pos += hv
+                hv_off.put_i32(hv_dat.n)
+            nh_total += nh
+            h_off.put_i32(nh_total)
+            n += 1
+            pos = rec_end
+    return {"n": n, "offset": offs.take(), "timestamp": tss.take(), "timestamp_type": tst.take(),
+            "key_offsets": k_off.take(), "key_data": k_dat.take(), "key_valid": k_ok.take(),
+            "value_offsets": v_off.take(), "value_data": v_dat.take(), "value_valid": v_ok.take(),
+            "header_offsets": h_off.take(), "header_key_offsets": hk_off.take(), "header_key_data": hk_dat.take(),
+            "header_value_offsets": hv_off.take(), "header_value_data": hv_dat.take(),
+            "header_value_valid": hv_ok.take()}
 
 
 def build_batch(records, int codec=0, int64_t base_offset=0, int64_t base_timestamp=-1):

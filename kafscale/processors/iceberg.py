@@ -34,7 +34,7 @@ import yaml
 
 from kafscale import config as config_mod
 from kafscale.metadata.store import MetaStore
-from kafscale.spark.segments import Slice, StoreOptions, list_segments, records
+from kafscale.spark.segments import Slice, StoreOptions, arrow_batches, list_segments
 from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE
 
 log = logging.getLogger("kafscale.processor.iceberg")
@@ -144,7 +144,8 @@ class IcebergProcessor:
     async def run_pass(self, meta: MetaStore) -> int:
         """Materialize what is new, up to max_records; returns how many records."""
         done = await meta.load_checkpoint(self.name, self.topic)
-        rows: dict[str, list[Any]] = {n: [] for n in self.schema.names}
+        parts: list[pa.RecordBatch] = []
+        taken = 0
         moved: dict[int, int] = {}
         async with self.opts.store() as store:
             for p, (segs, log_start, _hw) in sorted((await list_segments(self.opts, self.topic)).items()):
@@ -154,29 +155,33 @@ class IcebergProcessor:
                                 self.topic, p, start, log_start - 1)
                     start = log_start
                 for s in segs:
-                    if s.last < start:
+                    if s.last < start or taken >= self.max_records:
                         continue
-                    if len(rows["offset"]) >= self.max_records:
-                        break
+                    end = min(s.last + 1, start + self.max_records - taken)  # offsets are dense in a segment
                     data = await store.get(s.key, HEADER_SIZE, s.size - FOOTER_SIZE)
-                    sl = Slice(self.topic, p, s.key, HEADER_SIZE, s.size - FOOTER_SIZE, start, s.last + 1)
-                    start = s.last + 1
-                    for off, ts, _, key, value, _ in records(sl, data):
-                        if len(rows["offset"]) >= self.max_records:
-                            start = off  # the rest of this segment waits for the next pass
-                            break
-                        base = [self.topic, p, off, ts * 1000, key] + ([value] if self.mapping.keep_value else [])
-                        for name, v in zip(self.schema.names, base + self.mapping.extract(value), strict=True):
-                            rows[name].append(v)
-                    moved[p] = start
+                    for batch in arrow_batches(Slice(self.topic, p, s.key, HEADER_SIZE, 0, start, end), data):
+                        parts.append(self._columns(batch))
+                        taken += batch.num_rows
+                    start = moved[p] = end
         if not moved:
             return 0
-        n = len(rows["offset"])
-        if n:
-            await asyncio.to_thread(self.table.append, pa.Table.from_pydict(rows, schema=self.schema))
+        if taken:
+            table = pa.Table.from_batches(parts, schema=self.schema)
+            await asyncio.to_thread(self.table.append, table)
         await meta.save_checkpoint(self.name, self.topic, moved)
-        log.info("materialized %d records of %s into %s; next offsets %s", n, self.topic, self.table_name, moved)
-        return n
+        log.info("materialized %d records of %s into %s; next offsets %s", taken, self.topic, self.table_name, moved)
+        return taken
+
+    def _columns(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """A decoded record batch in the table's columns."""
+        cols = [batch.column(name) for name, _ in BASE_COLUMNS]
+        if self.mapping.keep_value:
+            cols.append(batch.column("value"))
+        if self.mapping.columns:
+            extracted = [self.mapping.extract(v) for v in batch.column("value").to_pylist()]
+            cols += [pa.array([e[i] for e in extracted], ARROW_TYPES[t])
+                     for i, (_, _, t) in enumerate(self.mapping.columns)]
+        return pa.RecordBatch.from_arrays(cols, schema=self.schema)
 
     async def run(self, interval_s: float, once: bool) -> None:
         self.table = await asyncio.to_thread(self.open_table)

@@ -7,12 +7,15 @@ Used by the Spark data source (kafscale.spark.source) and the Iceberg
 processor; nothing here imports pyspark."""
 from __future__ import annotations
 
-import asyncio
 import bisect
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import pyarrow as pa
 
 from kafscale import _native
 from kafscale.config import Config
@@ -236,24 +239,77 @@ async def _cut(store: ObjectStore, topic: str, s: Segment, start: int, end: int,
     return out
 
 
-def read_slice(store: ObjectStore, sl: Slice) -> bytes:
-    """The slice's bytes, with one ranged GET (run from synchronous code)."""
-    return asyncio.run(_get(store, sl))
+@functools.lru_cache(maxsize=4)
+def _sync_client(opts: StoreOptions) -> Any:
+    """One boto3 S3 client per store for the life of the process: a Spark
+    Python worker runs many tasks, and making a client costs more than a GET."""
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    return boto3.client("s3", endpoint_url=opts.endpoint, region_name=opts.region or "us-east-1",
+                        aws_access_key_id=opts.access_key, aws_secret_access_key=opts.secret_key,
+                        config=BotoConfig(s3={"addressing_style": "path"}, retries={"max_attempts": 5,
+                                                                                     "mode": "standard"}))
 
 
-async def _get(store: ObjectStore, sl: Slice) -> bytes:
-    async with store:
-        return await store.get(sl.key, sl.pos, sl.pos_end)
+def read_slice(opts: StoreOptions, sl: Slice) -> bytes:
+    """The slice's bytes, with one ranged GET, from synchronous code."""
+    r = _sync_client(opts).get_object(Bucket=opts.bucket, Key=sl.key, Range=f"bytes={sl.pos}-{sl.pos_end - 1}")
+    return r["Body"].read()
 
 
-def records(sl: Slice, data: bytes) -> Iterator[tuple[int, int, int, bytes | None, bytes | None, list[Any]]]:
-    """(offset, timestamp, timestamp type, key, value, headers) of the slice's
-    records in [start, end), decompressing batches as needed. Timestamp type
-    0 is CreateTime, 1 LogAppendTime (then every record has the batch's)."""
+ARROW_SCHEMA = pa.schema([
+    ("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()), ("partition", pa.int32()),
+    ("offset", pa.int64()), ("timestamp", pa.timestamp("us", tz="UTC")), ("timestampType", pa.int32()),
+    ("headers", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))),
+])  # the columns of Spark's Kafka source
+DECODE_BYTES = 16 << 20  # batch bytes decoded into one Arrow record batch
+
+
+def arrow_batches(sl: Slice, data: bytes) -> Iterator[pa.RecordBatch]:
+    """The slice's records in [start, end) as Arrow record batches, decoded
+    natively (decompressing as needed) about DECODE_BYTES of batches at a time."""
+    group: list[_native.BatchInfo] = []
+    size = 0
     for b in _native.scan_batches(data, True):
         if b.base_offset + b.last_offset_delta < sl.start or b.base_offset >= sl.end:
             continue
-        log_append = (b.attributes >> 3) & 1
-        for off, ts, key, value, headers in _native.iter_records(b, data):
-            if sl.start <= off < sl.end:
-                yield off, b.max_timestamp if log_append else ts, log_append, key, value, headers
+        group.append(b)
+        size += b.size
+        if size >= DECODE_BYTES:
+            yield _to_arrow(sl, _native.decode_columns(data, group, sl.start, sl.end))
+            group, size = [], 0
+    if group:
+        yield _to_arrow(sl, _native.decode_columns(data, group, sl.start, sl.end))
+
+
+def _binary(n: int, offsets: bytes, data: bytes, valid: bytes, kind: pa.DataType | None = None) -> pa.Array:
+    bitmap = None if valid.count(0) == 0 else pa.py_buffer(np.packbits(np.frombuffer(valid, np.uint8),
+                                                                      bitorder="little"))
+    return pa.Array.from_buffers(kind or pa.binary(), n, [bitmap, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def _to_arrow(sl: Slice, c: dict[str, Any]) -> pa.RecordBatch:
+    n = c["n"]
+    nh = len(c["header_value_valid"])
+    try:
+        hkeys = _binary(nh, c["header_key_offsets"], c["header_key_data"], b"\1" * nh, pa.string())
+        hkeys.validate(full=True)
+    except pa.ArrowInvalid:  # a header key that is not UTF-8: decode it with replacement characters
+        raw = _binary(nh, c["header_key_offsets"], c["header_key_data"], b"\1" * nh).to_pylist()
+        hkeys = pa.array([k.decode("utf-8", "replace") for k in raw], pa.string())
+    headers = pa.ListArray.from_arrays(
+        pa.Array.from_buffers(pa.int32(), n + 1, [None, pa.py_buffer(c["header_offsets"])]),
+        pa.StructArray.from_arrays([hkeys, _binary(nh, c["header_value_offsets"], c["header_value_data"],
+                                                   c["header_value_valid"])], names=["key", "value"]))
+    ts_us = np.frombuffer(c["timestamp"], np.int64) * 1000
+    return pa.RecordBatch.from_arrays([
+        _binary(n, c["key_offsets"], c["key_data"], c["key_valid"]),
+        _binary(n, c["value_offsets"], c["value_data"], c["value_valid"]),
+        pa.array([sl.topic] * n, pa.string()),
+        pa.array(np.full(n, sl.partition, np.int32)),
+        pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(c["offset"])]),
+        pa.Array.from_buffers(pa.timestamp("us", tz="UTC"), n, [None, pa.py_buffer(ts_us)]),
+        pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(c["timestamp_type"])]),
+        headers,
+    ], schema=ARROW_SCHEMA)

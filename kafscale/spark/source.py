@@ -18,22 +18,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
-from kafscale.spark.segments import Slice, StoreOptions, plan, read_slice, records
+from kafscale.spark.segments import Slice, StoreOptions, arrow_batches, plan, read_slice
 
 SCHEMA = ("key binary, value binary, topic string, partition int, offset long, timestamp timestamp, "
           "timestampType int, headers array<struct<key: string, value: binary>>")
-ARROW_SCHEMA = pa.schema([
-    ("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()), ("partition", pa.int32()),
-    ("offset", pa.int64()), ("timestamp", pa.timestamp("us", tz="UTC")), ("timestampType", pa.int32()),
-    ("headers", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))),
-])
-ROWS_PER_BATCH = 65536
 
 
 class _SlicePartition(InputPartition):
@@ -61,30 +54,7 @@ class KafScaleReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         sl: Slice = partition.slice  # type: ignore[attr-defined]
-        yield from arrow_batches(sl, read_slice(self.opts.store(), sl))
-
-
-def arrow_batches(sl: Slice, data: bytes) -> Iterator[pa.RecordBatch]:
-    cols: dict[str, list[Any]] = {name: [] for name in ARROW_SCHEMA.names}
-    for off, ts, ts_type, key, value, headers in records(sl, data):
-        cols["key"].append(key)
-        cols["value"].append(value)
-        cols["offset"].append(off)
-        cols["timestamp"].append(ts * 1000)
-        cols["timestampType"].append(ts_type)
-        cols["headers"].append([{"key": k, "value": v} for k, v in headers])
-        if len(cols["offset"]) == ROWS_PER_BATCH:
-            yield _batch(sl, cols)
-            cols = {name: [] for name in ARROW_SCHEMA.names}
-    if cols["offset"]:
-        yield _batch(sl, cols)
-
-
-def _batch(sl: Slice, cols: dict[str, list[Any]]) -> pa.RecordBatch:
-    n = len(cols["offset"])
-    cols["topic"] = [sl.topic] * n
-    cols["partition"] = [sl.partition] * n
-    return pa.RecordBatch.from_pydict(cols, schema=ARROW_SCHEMA)
+        yield from arrow_batches(sl, read_slice(self.opts, sl))
 
 
 class KafScaleDataSource(DataSource):
