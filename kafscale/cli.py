@@ -75,6 +75,13 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return _serve(run_proxy_until_signal(cfg), cfg.log_level)
 
 
+def cmd_console(args: argparse.Namespace) -> int:
+    from kafscale.console.api import serve_standalone
+
+    cfg = config_mod.load(args)
+    return _serve(serve_standalone(cfg), cfg.log_level)
+
+
 def cmd_dev(args: argparse.Namespace) -> int:
     from kafscale.devstack import DevStack, port_is_free
 
@@ -94,6 +101,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
                                 bucket=env["KAFSCALE_BUCKET"], s3_access_key=env["KAFSCALE_S3_ACCESS_KEY"],
                                 s3_secret_key=env["KAFSCALE_S3_SECRET_KEY"], listen=f"127.0.0.1:{port}",
                                 node_id=i + 1) for i, port in enumerate(kafka_ports)]
+        for i, cfg in enumerate(cfgs[1:], 1):  # --admin-listen H:P gives broker i the port P + i
+            if cfg.admin_listen:
+                host, _, admin_port = cfg.admin_listen.rpartition(":")
+                cfg.admin_listen = f"{host}:{int(admin_port) + i}"
         log.info("KafScale dev: bootstrap.servers=%s  etcd=%s  s3=%s bucket=%s  (Ctrl-C stops all)",
                  ",".join(f"127.0.0.1:{p}" for p in kafka_ports), stack.etcd_endpoint, stack.s3_endpoint,
                  stack.bucket)
@@ -194,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("proxy", help="one Kafka endpoint in front of every broker of a cluster")
     config_mod.add_arguments(p)
     p.set_defaults(func=cmd_proxy)
+
+    p = sub.add_parser("console", help="the web console (and /metrics, /readyz) from etcd and S3, without a broker")
+    config_mod.add_arguments(p, only=(*config_mod.STORE_FIELDS, "admin_listen", "log_level"))
+    p.set_defaults(func=cmd_console)
 
     p = sub.add_parser("dev", help="run etcd + SeaweedFS S3 + a broker on this machine")
     p.add_argument("--data-dir", help="keep etcd and S3 data here across restarts (default: temporary)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import ssl
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,11 @@ class Config:
     node_id: int = _opt(1, "broker id reported in Metadata")
     listen: str = _opt("0.0.0.0:9092", "host:port the Kafka listener binds")
     advertised: str = _opt("", "host:port clients should connect to (default: listen, 0.0.0.0 -> 127.0.0.1)")
+    admin_listen: str = _opt("", "host:port of the HTTP admin endpoint: /metrics, /healthz, /readyz (empty: off)")
+    tls_cert: str = _opt("", "PEM certificate (chain) of the Kafka listener: set it and the key to speak TLS")
+    tls_key: str = _opt("", "PEM private key of tls_cert")
+    tls_client_ca: str = _opt("", "PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    tls_broker_ca: str = _opt("", "proxy: connect to the brokers over TLS, trusting this PEM CA bundle")
     etcd: str = _opt("127.0.0.1:2379", "etcd endpoint host:port")
     cluster: str = _opt("default", "cluster name: etcd key prefix /kafscale/{cluster}/")
     s3_endpoint: str = _opt("", "S3 endpoint URL (empty: AWS default)")
@@ -46,6 +52,26 @@ class Config:
     group_initial_rebalance_delay_ms: int = _opt(500, "how long a new group waits for more members to join")
     validate_compressed: bool = _opt(True, "decompress compressed batches on produce to validate their records")
     log_level: str = _opt("INFO", "logging level")
+
+    def server_ssl(self) -> ssl.SSLContext | None:
+        """The Kafka listener's TLS context (None: plaintext)."""
+        if not self.tls_cert:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.tls_cert, self.tls_key or None)
+        if self.tls_client_ca:
+            ctx.load_verify_locations(self.tls_client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def broker_ssl(self) -> ssl.SSLContext | None:
+        """How the proxy connects to brokers (None: plaintext)."""
+        if not self.tls_broker_ca:
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls_broker_ca)
+        if self.tls_cert:  # present our own certificate too, for brokers that require one
+            ctx.load_cert_chain(self.tls_cert, self.tls_key or None)
+        return ctx
 
     def listen_addr(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +17,7 @@ from kafscale.groups.api import GroupApi
 from kafscale.groups.coordinator import GroupCoordinator
 from kafscale.metadata import topic_config
 from kafscale.metadata.store import MetaStore, SegmentManifest, TopicExists, TopicMeta
+from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
@@ -27,17 +27,10 @@ from kafscale.storage.reader import SegmentSource
 
 log = logging.getLogger(__name__)
 
-_TOPIC_RE = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")
 
 # A produce payload a worker validated and put in shared memory, and how to
 # hand that memory back; or the error the worker found instead.
 Accepted = tuple[memoryview, Callable[[], None]]
-
-
-def topic_name_error(name: str) -> str | None:
-    if not _TOPIC_RE.match(name) or name in (".", ".."):
-        return "topic names are 1-249 characters of [a-zA-Z0-9._-], not '.' or '..'"
-    return None
 
 
 class Broker:
@@ -98,6 +91,22 @@ class Broker:
         self.logs.pop((topic, p), None)
         await lg.close(drain_s=drain_s)
         await self.meta.release_owner(topic, p, self.cfg.node_id)
+
+    async def group_lag(self) -> dict[tuple[str, str, int], int]:
+        """(group, topic, partition) -> high watermark - committed offset, for
+        the groups this broker coordinates."""
+        lag: dict[tuple[str, str, int], int] = {}
+        hws: dict[tuple[str, int], int] = {}
+        mine = [g for g in await self.meta.group_names_with_offsets()
+                if self.cluster.coordinator_for(g) == self.cfg.node_id]
+        for group in sorted(set(mine) | set(self.groups.groups)):
+            for (topic, p), committed in (await self.meta.fetch_offsets(group)).items():
+                if (topic, p) not in hws:
+                    lg = self.logs.get((topic, p))
+                    state = None if lg is not None else await self.meta.get_partition(topic, p)
+                    hws[(topic, p)] = lg.hw if lg is not None else (state[0].hw if state else 0)
+                lag[(group, topic, p)] = max(hws[(topic, p)] - committed["offset"], 0)
+        return lag
 
     async def lease_lost(self, new_lease: Any) -> None:
         """Our lease expired (we were paused or cut off): whatever we owned may

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 
+from kafscale.adminhttp import AdminServer, Check
 from kafscale.broker.handlers import Broker
 from kafscale.broker.logproc import LogService
 from kafscale.broker.shm import SharedArea, SharedCache
@@ -49,6 +50,17 @@ class BrokerNode:
         await self._register()
         await self.broker.start(self._lease)
         self._keepalive = asyncio.create_task(self._keep_lease())
+
+    def readiness_checks(self) -> dict[str, Check]:
+        async def registered() -> None:
+            if self._lease is None or await self._lease.remaining_ttl() <= 0:
+                raise RuntimeError("broker lease expired")
+
+        async def not_draining() -> None:
+            if self.cfg.node_id in await self.meta.draining():
+                raise RuntimeError("draining")
+
+        return {"etcd": self.meta.ping, "s3": self.store.ping, "registered": registered, "draining": not_draining}
 
     async def _register(self) -> None:
         host, port = self.cfg.advertised_addr()
@@ -97,9 +109,16 @@ async def run_log_process(cfg: Config, area: SharedArea, socket_path: str, ready
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    admin = None
+    if cfg.admin_listen:
+        admin = AdminServer(cfg.admin_listen, node.readiness_checks(), node.broker.group_lag,
+                            console=(node.meta, cfg.cluster))
+        await admin.start()
     os.write(ready_fd, b"1")
     os.close(ready_fd)
     await stop.wait()
     log.info("shutting down")
+    if admin is not None:
+        await admin.close()
     await node.stop()
     await service.close()

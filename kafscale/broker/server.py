@@ -10,13 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import itertools
 import logging
 import socket
+import ssl as ssl_mod
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kafscale import metrics
 from kafscale.protocol.codec import DecodeError
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader, encode_response, parse_request_header
@@ -73,8 +77,10 @@ def parse_header(frame: memoryview) -> tuple[RequestHeader, int]:
 
 class KafkaServer:
     def __init__(self, handlers: dict[int, Handler], host: str, port: int, max_request_bytes: int,
-                 reuse_port: bool = False, forward: Forward | None = None) -> None:
+                 reuse_port: bool = False, forward: Forward | None = None, ssl: ssl_mod.SSLContext | None = None
+                 ) -> None:
         self.handlers = handlers
+        self.ssl = ssl
         self.forward = forward
         self.host = host
         self.port = port
@@ -84,11 +90,12 @@ class KafkaServer:
         self._conns: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     async def start(self) -> None:
+        tls: dict[str, Any] = {"ssl": self.ssl, "ssl_handshake_timeout": 10} if self.ssl else {}
         self._server = await asyncio.start_server(self._serve, self.host, self.port, reuse_port=self.reuse_port,
-                                                  limit=1024 * 1024)
+                                                  limit=1024 * 1024, **tls)
         sock = self._server.sockets[0]
         self.port = sock.getsockname()[1]
-        log.info("Kafka listener on %s:%d", self.host, self.port)
+        log.info("Kafka listener on %s:%d%s", self.host, self.port, " (TLS)" if self.ssl else "")
 
     def stop_listening(self) -> None:
         """Accept no new connections; the open ones carry on."""
@@ -165,6 +172,15 @@ class KafkaServer:
             raise ProtocolViolation(f"truncated frame: {len(exc.partial)} of {size} bytes") from None
 
     async def _handle(self, hdr: RequestHeader, frame: memoryview, body_at: int) -> list[Any] | None:
+        t = time.perf_counter()
+        try:
+            return await self._dispatch(hdr, frame, body_at)
+        finally:
+            count, seconds = _request_metrics(hdr.api_key)
+            count.inc()
+            seconds.observe(time.perf_counter() - t)
+
+    async def _dispatch(self, hdr: RequestHeader, frame: memoryview, body_at: int) -> list[Any] | None:
         ON_SENT.set(hdr.on_sent)
         if hdr.api_key == API_VERSIONS.key and not APIS[hdr.api_key].supports(hdr.api_version):
             # Answer in v0 with UNSUPPORTED_VERSION and our ranges; the client retries lower.
@@ -213,6 +229,14 @@ class KafkaServer:
                 if item is not None:
                     item[0].cancel()
                     item[0].add_done_callback(lambda _t, h=item[1]: run_on_sent(h.on_sent))
+
+
+@functools.cache
+def _request_metrics(api_key: int) -> tuple[Any, Any]:
+    """This process's request counter and latency histogram for one API."""
+    name = APIS[api_key].name
+    return (metrics.REQUESTS.labels(metrics.node(), metrics.process(), name),
+            metrics.REQUEST_SECONDS.labels(metrics.node(), name))
 
 
 def run_on_sent(callbacks: list[Callable[[], None]]) -> None:

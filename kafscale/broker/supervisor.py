@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kafscale import metrics
 from kafscale.broker.shm import SharedArea
 from kafscale.config import Config
 
@@ -119,16 +120,27 @@ class _Node:
     def socket_path(self) -> str:
         return os.path.join(self.dir, "log.sock")
 
+    @property
+    def metrics_dir(self) -> str:
+        """Where every process of the node writes its Prometheus samples."""
+        return os.path.join(self.dir, "metrics")
+
     def start_log(self) -> int | None:
         from kafscale.broker.node import run_log_process
 
-        self.log_pid, ready = _fork(f"log {self.cfg.node_id}", lambda fd: asyncio.run(
-            run_log_process(self.cfg, self.area, self.socket_path, fd)))
+        def main(fd: int) -> None:
+            metrics.init_process(self.cfg.node_id, "log", self.metrics_dir)
+            asyncio.run(run_log_process(self.cfg, self.area, self.socket_path, fd))
+
+        self.log_pid, ready = _fork(f"log {self.cfg.node_id}", main)
         return _wait_ready(self.log_pid, ready)
 
     def start_worker(self, slot: int, wait: bool) -> int | None:
-        pid, ready = _fork(f"worker {self.cfg.node_id}.{slot}", lambda fd: asyncio.run(
-            _worker_main(self.cfg, self.area, slot, self.socket_path, fd)))
+        def main(fd: int) -> None:
+            metrics.init_process(self.cfg.node_id, str(slot), self.metrics_dir)
+            asyncio.run(_worker_main(self.cfg, self.area, slot, self.socket_path, fd))
+
+        pid, ready = _fork(f"worker {self.cfg.node_id}.{slot}", main)
         self.worker_pids[pid] = slot
         if not wait:
             os.close(ready)
@@ -166,6 +178,7 @@ def run_nodes(cfgs: list[Config]) -> int:
             n = cfg.workers or os.cpu_count() or 1
             nodes.append(_Node(cfg, n, SharedArea(n, cfg.ring_bytes, cfg.cache_bytes),
                                tempfile.mkdtemp(prefix="kafscale-")))
+            os.mkdir(nodes[-1].metrics_dir)
     except OSError as exc:
         print(f"kafscale: cannot start: {exc}", file=sys.stderr)
         return STARTUP_FAILED

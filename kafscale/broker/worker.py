@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from kafscale import _native
+from kafscale import _native, metrics
 from kafscale.broker.ipc import Channel, ChannelClosed
 from kafscale.broker.server import ON_SENT, KafkaServer, ProtocolViolation, run_on_sent
 from kafscale.broker.shm import CacheReader, CacheRef, Ring, SharedArea
@@ -111,7 +111,7 @@ class Worker:
         await self.chan.call("hello", self.slot)
         host, port = self.cfg.listen_addr()
         self.server = KafkaServer(self.handlers, host, port, self.cfg.max_request_bytes, reuse_port=True,
-                                  forward=self.forward)
+                                  forward=self.forward, ssl=self.cfg.server_ssl())
         await self.server.start()
 
     async def run_until_log_process_exits(self) -> None:
@@ -196,6 +196,7 @@ class Worker:
         if start is None:
             return ("error", ErrorCode.NOT_ENOUGH_REPLICAS, RING_FULL)
         self.ring.view(start, n)[:] = payload
+        metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process()).inc(n)
         return ("ring", self.slot, start, n)
 
     # ---------------------------------------------------------------- Fetch
@@ -206,6 +207,7 @@ class Worker:
             responses, total, errors = await self._fetch_once(hdr, req)
             remaining = deadline - time.monotonic()
             if total >= req["min_bytes"] or errors or remaining <= 0:
+                metrics.FETCH_BYTES.labels(metrics.node(), metrics.process()).inc(total)
                 return {"throttle_time_ms": 0, "error_code": 0, "session_id": 0, "responses": responses}
             run_on_sent(ON_SENT.get())  # nothing worth sending yet: let the cache reuse what we looked at
             try:

@@ -9,6 +9,7 @@
   producer_ids                   last allocated producer id
   offsets/{group}/{topic}/{p}    {"offset": n, "metadata": str, "leader_epoch": n, "commit_ms": n}
   groups/{group}                 group state of the last completed rebalance (members, assignments)
+  processors/{name}/{topic}/{p}  a processor's next offset (kafscale.processors)
 
 Every segment commit is one transaction that compares the partition key
 with the exact value this owner last wrote (it carries epoch and watermark),
@@ -84,6 +85,9 @@ class MetaStore:
         self.client = aetcd.Client(host=self._host, port=self._port, timeout=10)
         await self.client.connect()
         await self.client.status()  # fail fast if etcd is unreachable
+
+    async def ping(self) -> None:
+        await self.client.status()
 
     async def close(self) -> None:
         if self.client is not None:
@@ -216,6 +220,15 @@ class MetaStore:
         return await self._fenced_update(topic, p, expected_raw, new_state,
                                          [tx.put(self.k("segments", topic, p, f"{manifest.base:020d}"),
                                                  manifest.to_json())])
+
+    async def segment_counts(self, topic: str) -> dict[int, int]:
+        """Committed segments per partition of topic (keys only)."""
+        base = self.k("segments", topic, "")
+        out: dict[int, int] = {}
+        for kv in await self.client.get_prefix(base, keys_only=True):
+            p = int(kv.key[len(base):].decode().split("/", 1)[0])
+            out[p] = out.get(p, 0) + 1
+        return out
 
     async def list_segments(self, topic: str, p: int) -> list[SegmentManifest]:
         out = [SegmentManifest(**json.loads(kv.value))

@@ -4,6 +4,7 @@ Anything else (or a value KafScale cannot honour, such as compaction) is
 refused with INVALID_CONFIG rather than silently stored."""
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,3 +84,13 @@ def effective(configs: dict[str, str], cfg: Config) -> dict[str, tuple[str, bool
 
 def value(configs: dict[str, str], name: str, cfg: Config) -> int:
     return int(configs.get(name) or TOPIC_CONFIGS[name].default(cfg))
+
+
+_TOPIC_RE = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")
+
+
+def topic_name_error(name: str) -> str | None:
+    """Why Kafka would refuse this topic name, or None."""
+    if not _TOPIC_RE.match(name) or name in (".", ".."):
+        return "topic names are 1-249 characters of [a-zA-Z0-9._-], not '.' or '..'"
+    return None

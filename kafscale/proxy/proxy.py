@@ -107,7 +107,7 @@ class Proxy:
         host, port = self.cluster.brokers[broker]
         u = self.upstreams.get(broker)
         if u is None or (u.host, u.port) != (host, port):
-            u = self.upstreams[broker] = Upstream(host, port)
+            u = self.upstreams[broker] = Upstream(host, port, self.cfg.broker_ssl())
         return u
 
     def _owner(self, topic: str, p: int) -> int:
@@ -254,6 +254,7 @@ class Proxy:
 async def run_proxy_until_signal(cfg: Config) -> None:
     import signal
 
+    from kafscale.adminhttp import AdminServer
     from kafscale.broker.server import KafkaServer
 
     meta = MetaStore(cfg.etcd, cfg.cluster)
@@ -261,15 +262,25 @@ async def run_proxy_until_signal(cfg: Config) -> None:
     proxy = Proxy(cfg, meta)
     await proxy.start()
     host, port = cfg.listen_addr()
-    server = KafkaServer(proxy.handlers, host, port, cfg.max_request_bytes)
+    server = KafkaServer(proxy.handlers, host, port, cfg.max_request_bytes, ssl=cfg.server_ssl())
     await server.start()
     log.info("proxy for cluster %r on %s:%d in front of brokers %s", cfg.cluster, host, server.port,
              sorted(proxy.cluster.brokers))
+    admin = None
+    if cfg.admin_listen:
+        async def brokers_known() -> None:
+            if not proxy.cluster.brokers:
+                raise RuntimeError("no live broker registered in etcd")
+
+        admin = AdminServer(cfg.admin_listen, {"etcd": meta.ping, "brokers": brokers_known})
+        await admin.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if admin is not None:
+        await admin.close()
     await server.close()
     await proxy.close()
     await meta.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import ssl as ssl_mod
 import struct
 from typing import Any
 
@@ -16,8 +17,9 @@ class UpstreamError(ConnectionError):
 
 
 class Upstream:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, ssl: ssl_mod.SSLContext | None = None) -> None:
         self.host, self.port = host, port
+        self.ssl = ssl
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._waiting: dict[int, tuple[asyncio.Future[dict[str, Any]], int, int]] = {}
@@ -33,7 +35,8 @@ class Upstream:
         async with self._lock:
             if self.alive:
                 return
-            self._reader, self._writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), 5)
+            self._reader, self._writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port, ssl=self.ssl), 5)
             self._reading = asyncio.create_task(self._read_loop())
 
     async def _read_loop(self) -> None:

@@ -14,6 +14,7 @@ import aioboto3
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
+from kafscale import metrics
 from kafscale.config import Config
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,11 @@ class ObjectStore:
         except ClientError:
             await self._client.create_bucket(Bucket=self.bucket)
 
+    async def ping(self) -> None:
+        """One cheap request: raises unless the bucket answers."""
+        with metrics.s3_call("head"):
+            await self._client.head_bucket(Bucket=self.bucket)
+
     async def check_writable(self) -> None:
         """Fail fast if the bucket cannot be written and read back."""
         key = "_kafscale/healthcheck"
@@ -80,11 +86,12 @@ class ObjectStore:
     async def put(self, key: str, data: bytes | bytearray | memoryview, if_none_match: bool = True) -> None:
         """Write an object once. Raises ObjectExists if the key is taken."""
         try:
-            if len(data) > self.multipart_threshold:
-                await self._put_multipart(key, data, if_none_match)
-            else:
-                extra = {"IfNoneMatch": "*"} if if_none_match else {}
-                await self._client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), **extra)
+            with metrics.s3_call("put"):
+                if len(data) > self.multipart_threshold:
+                    await self._put_multipart(key, data, if_none_match)
+                else:
+                    extra = {"IfNoneMatch": "*"} if if_none_match else {}
+                    await self._client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), **extra)
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
                 raise ObjectExists(key) from exc
@@ -119,9 +126,10 @@ class ObjectStore:
         extra = {}
         if start is not None:
             extra["Range"] = f"bytes={start}-" + ("" if end is None else str(end - 1))
-        r = await self._client.get_object(Bucket=self.bucket, Key=key, **extra)
-        async with r["Body"] as body:
-            return await body.read()
+        with metrics.s3_call("get"):
+            r = await self._client.get_object(Bucket=self.bucket, Key=key, **extra)
+            async with r["Body"] as body:
+                return await body.read()
 
     async def size(self, key: str) -> int:
         return (await self._client.head_object(Bucket=self.bucket, Key=key))["ContentLength"]

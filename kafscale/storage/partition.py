@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from kafscale import _native
+from kafscale import _native, metrics
 from kafscale.config import Config
 from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest
 from kafscale.protocol.errors import ErrorCode
@@ -245,6 +245,7 @@ class PartitionLog(LogReader):
         for p in items:
             p.done_with_payload()
         key = segment_key(self.cfg.namespace, self.topic, self.partition, seg.base_offset, self.epoch)
+        metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(seg.data))
         manifest = SegmentManifest(seg.base_offset, seg.last_offset, seg.count, len(seg.data), seg.min_timestamp,
                                    seg.max_timestamp, key, int(time.time() * 1000))
         await self._retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, seg.data, seg.index),
@@ -285,8 +286,11 @@ class PartitionLog(LogReader):
         await asyncio.gather(put(key, data), put(index_key(key), index))
 
     async def _commit(self, new_state: PartitionState, manifest: SegmentManifest) -> bytes:
+        t = time.perf_counter()
         try:
-            return await self.meta.commit_segment(self.topic, self.partition, self._state_raw, new_state, manifest)
+            raw = await self.meta.commit_segment(self.topic, self.partition, self._state_raw, new_state, manifest)
+            metrics.ETCD_SECONDS.labels(metrics.node()).observe(time.perf_counter() - t)
+            return raw
         except Fenced:
             cur = await self.meta.get_partition(self.topic, self.partition)
             if cur is not None and cur[1] == new_state.to_json():

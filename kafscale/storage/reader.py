@@ -13,7 +13,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from kafscale import _native
+from kafscale import _native, metrics
 from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol.errors import ErrorCode, KafkaError
 from kafscale.storage.cache import CachedSegment
@@ -123,7 +123,9 @@ class LogReader:
         m = self.segments[i]
         seg = self.cache.get(m.key)
         if seg is not None:
+            metrics.SEGMENT_READS.labels(metrics.node(), "cache").inc()
             return seg.slice_from(offset, max_bytes)
+        metrics.SEGMENT_READS.labels(metrics.node(), "s3").inc()
         w = await self._window_for(m, offset)
         chunk, to_window_end = w.seg.slice_from(offset, max_bytes)
         if to_window_end or len(chunk) * 2 >= len(w.seg.data):

@@ -38,3 +38,16 @@ def test_unknown_file_key(tmp_path):
     f.write_text("no_such_option = 1\n")
     with pytest.raises(ValueError, match="no_such_option"):
         config.load(parse(["--config", str(f)]), environ={})
+
+
+def test_configuration_reference_lists_every_field():
+    """docs/configuration.md names every flag and variable with its default."""
+    import dataclasses
+    from pathlib import Path
+
+    from kafscale.config import Config
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for f in dataclasses.fields(Config):
+        row = f"| `--{f.name.replace('_', '-')}` | `KAFSCALE_{f.name.upper()}` | `{f.default!r}` |"
+        assert row in doc, f"docs/configuration.md is missing or out of date for {f.name}"

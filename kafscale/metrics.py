@@ -1,0 +1,95 @@
+"""Prometheus metrics (prometheus_client).
+
+A broker node is several processes: each writes its own samples to files in
+the node's metrics directory (prometheus_client's multiprocess mode, set up
+by `init_process` right after the supervisor forks it), and the log process
+serves them merged on the admin port together with values it computes at
+scrape time (group lag). The proxy is one process and serves its own.
+
+Every metric carries `node` (the broker id; 0 for the proxy); per-process
+ones carry `process` ("log" or the worker slot)."""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess, values
+from prometheus_client.core import GaugeMetricFamily
+
+_labels = {"node": "0", "process": "main"}
+
+REQUESTS = Counter("kafscale_requests", "Kafka requests answered, by API and process",
+                   ["node", "process", "api"])
+REQUEST_SECONDS = Histogram("kafscale_request_seconds", "Time from a request's arrival to its response",
+                            ["node", "api"], buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
+PRODUCE_BYTES = Counter("kafscale_produce_bytes", "Record batch bytes accepted by Produce", ["node", "process"])
+FETCH_BYTES = Counter("kafscale_fetch_bytes", "Record batch bytes returned by Fetch", ["node", "process"])
+SEGMENT_READS = Counter("kafscale_segment_reads", "Fetch reads of committed segments, by where they came from",
+                        ["node", "source"])
+S3_SECONDS = Histogram("kafscale_s3_request_seconds", "S3 request latency, by operation", ["node", "op"],
+                       buckets=(.0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+S3_ERRORS = Counter("kafscale_s3_errors", "Failed S3 requests, by operation", ["node", "op"])
+ETCD_SECONDS = Histogram("kafscale_etcd_commit_seconds", "Latency of the etcd transaction committing a segment",
+                         ["node"], buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5))
+FLUSH_BYTES = Histogram("kafscale_segment_flush_bytes", "Size of each segment uploaded", ["node"],
+                        buckets=tuple(float(1 << n) for n in range(12, 31, 2)))
+
+
+def init_process(node_id: int, process: str, metrics_dir: str | None) -> None:
+    """Label this process's samples; with metrics_dir, write them there for
+    the node's log process to merge (call before any metric is used)."""
+    _labels.update(node=str(node_id), process=process)
+    if metrics_dir:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        values.ValueClass = values.MultiProcessValue()
+
+
+def node() -> str:
+    return _labels["node"]
+
+
+def process() -> str:
+    return _labels["process"]
+
+
+@contextmanager
+def s3_call(op: str) -> Iterator[None]:
+    t = time.perf_counter()
+    try:
+        yield
+    except Exception:
+        S3_ERRORS.labels(node(), op).inc()
+        raise
+    finally:
+        S3_SECONDS.labels(node(), op).observe(time.perf_counter() - t)
+
+
+def render(lag: dict[tuple[str, str, int], int] | None = None) -> bytes:
+    """The exposition text: this process's metrics, or with multiprocess mode
+    the merged samples of every process of the node; plus group lag."""
+    registry = CollectorRegistry()
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        from prometheus_client import REGISTRY
+        registry = REGISTRY
+    out = generate_latest(registry)
+    if lag is not None:
+        fam = GaugeMetricFamily("kafscale_group_lag", "High watermark minus committed offset, per group partition",
+                                labels=["node", "group", "topic", "partition"])
+        for (group, topic, p), n in sorted(lag.items()):
+            fam.add_metric([node(), group, topic, str(p)], n)
+        extra = CollectorRegistry()
+        extra.register(_Fixed(fam))
+        out += generate_latest(extra)
+    return out
+
+
+class _Fixed:
+    def __init__(self, fam: GaugeMetricFamily) -> None:
+        self.fam = fam
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield self.fam
