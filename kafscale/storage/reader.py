@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -137,11 +136,15 @@ class LogReader:
         if w is not None and w.key == m.key and w.covers(offset):
             return w
         if self._next is not None and self._next[0] == m.key:
-            with contextlib.suppress(Exception):
-                w = await self._next[2]
-                if w.covers(offset):
-                    self._window, self._next = w, None
-                    return w
+            # Another read of this view (another consumer) may cancel the
+            # prefetch while we wait: wait without inheriting its cancellation.
+            task = self._next[2]
+            await asyncio.wait([task])
+            if not task.cancelled() and task.exception() is None and task.result().covers(offset):
+                w = self._window = task.result()
+                if self._next is not None and self._next[2] is task:
+                    self._next = None
+                return w
         idx = await self._index(m)
         self._window = w = await self._fetch_window(m, idx.lookup(offset))
         while not w.covers(offset) and not w.at_end:  # the index step held more than one window
