@@ -1,4 +1,5 @@
-"""`kafscale` command line: broker, proxy, dev, segments, topics, groups."""
+"""`kafscale` command line: broker, proxy, console, dev, segments, topics, groups, replay, processor, users,
+acls."""
 from __future__ import annotations
 
 import argparse
@@ -234,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kafscale.spark.replay import add_parser as add_replay
     add_replay(sub)
     add_processor(sub)
+    from kafscale.security.admin import add_parsers as add_security
+    add_security(sub)
     return parser
 
 
@@ -243,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
                                        (args.action == "dump" and not args.key)):
         print("kafscale segments: ls needs --topic, dump needs --key", file=sys.stderr)
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except config_mod.ConfigError as exc:
+        print(f"kafscale {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafscale.security.sasl import MECHANISMS
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or has an unusable value."""
+
 
 def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
@@ -25,6 +31,12 @@ class Config:
     tls_key: str = _opt("", "PEM private key of tls_cert")
     tls_client_ca: str = _opt("", "PEM CA bundle: require client certificates signed by it (mutual TLS)")
     tls_broker_ca: str = _opt("", "proxy: connect to the brokers over TLS, trusting this PEM CA bundle")
+    sasl_mechanisms: str = _opt("", "comma-separated SASL mechanisms the Kafka listener requires: PLAIN, "
+                                "SCRAM-SHA-256, SCRAM-SHA-512 (empty: no SASL); users: kafscale users add")
+    authorizer: bool = _opt(False, "enforce ACLs (kept in etcd; kafscale acls or Kafka's CreateAcls/DeleteAcls)")
+    super_users: str = _opt("", "principals that bypass ACLs, separated by ';' (e.g. User:admin)")
+    allow_everyone_if_no_acl_found: bool = _opt(False, "with the authorizer: allow access to resources that no "
+                                                "ACL names (default: deny)")
     etcd: str = _opt("127.0.0.1:2379", "etcd endpoint host:port")
     cluster: str = _opt("default", "cluster name: etcd key prefix /kafscale/{cluster}/")
     s3_endpoint: str = _opt("", "S3 endpoint URL (empty: AWS default)")
@@ -63,6 +75,16 @@ class Config:
             ctx.load_verify_locations(self.tls_client_ca)
             ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
+
+    def __post_init__(self) -> None:
+        self.sasl_mechanism_list()
+
+    def sasl_mechanism_list(self) -> tuple[str, ...]:
+        mechs = tuple(m.strip().upper() for m in self.sasl_mechanisms.split(",") if m.strip())
+        unknown = [m for m in mechs if m not in MECHANISMS]
+        if unknown:
+            raise ConfigError(f"unsupported SASL mechanisms {unknown}: choose from {', '.join(MECHANISMS)}")
+        return mechs
 
     def broker_ssl(self) -> ssl.SSLContext | None:
         """How the proxy connects to brokers (None: plaintext)."""
@@ -124,7 +146,7 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
     fields = {f.name: f for f in dataclasses.fields(Config)}
     unknown = set(values) - set(fields)
     if unknown:
-        raise ValueError(f"unknown configuration keys: {sorted(unknown)}")
+        raise ConfigError(f"unknown configuration keys: {sorted(unknown)}")
     for name in fields:
         env = environ.get(f"KAFSCALE_{name.upper()}")
         if env is not None:

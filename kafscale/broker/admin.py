@@ -8,6 +8,7 @@ from kafscale.metadata import topic_config
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
+from kafscale.security.acl import CLUSTER, Operation, ResourceType
 from kafscale.storage.partition import LogError
 
 if TYPE_CHECKING:
@@ -37,7 +38,9 @@ class AdminApi:
             r = {"name": t["name"], "error_code": 0, "error_message": None}
             results.append(r)
             meta = await self.broker.topic(t["name"])
-            if meta is None:
+            if not self.broker.allowed(hdr, Operation.ALTER, ResourceType.TOPIC, t["name"]):
+                r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+            elif meta is None:
                 r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
             elif t["count"] <= meta.partitions or t["count"] > MAX_PARTITIONS:
                 r["error_code"] = ErrorCode.INVALID_PARTITIONS
@@ -59,7 +62,10 @@ class AdminApi:
                                  "resource_name": res["resource_name"], "configs": []}
             results.append(r)
             keys = res["configuration_keys"]
-            if res["resource_type"] == RESOURCE_TOPIC:
+            refused = self._refused(hdr, Operation.DESCRIBE_CONFIGS, res)
+            if refused:
+                r["error_code"], r["error_message"] = refused
+            elif res["resource_type"] == RESOURCE_TOPIC:
                 meta = await self.broker.topic(res["resource_name"])
                 if meta is None:
                     r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
@@ -96,7 +102,7 @@ class AdminApi:
 
     async def alter_configs(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         """Non-incremental: the given set replaces the topic's configs."""
-        return await self._alter(req, lambda current, configs: {c["name"]: c["value"] for c in configs})
+        return await self._alter(hdr, req, lambda current, configs: {c["name"]: c["value"] for c in configs})
 
     async def incremental_alter_configs(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         def apply(current: dict[str, str], configs: list[dict[str, Any]]) -> dict[str, str]:
@@ -114,14 +120,28 @@ class AdminApi:
                 else:
                     raise LogError(ErrorCode.INVALID_CONFIG, f"operation {op} is not valid for {c['name']}")
             return out
-        return await self._alter(req, apply)
+        return await self._alter(hdr, req, apply)
 
-    async def _alter(self, req: dict[str, Any], apply: Any) -> dict[str, Any]:
+    def _refused(self, hdr: RequestHeader, op: Operation, res: dict[str, Any]) -> tuple[ErrorCode, str] | None:
+        """The error for a config resource this principal may not use (None: allowed)."""
+        if res["resource_type"] == RESOURCE_BROKER:
+            if not self.broker.allowed(hdr, op, ResourceType.CLUSTER, CLUSTER):
+                return ErrorCode.CLUSTER_AUTHORIZATION_FAILED, f"{hdr.principal} may not {op.name} the cluster"
+        elif res["resource_type"] == RESOURCE_TOPIC and not self.broker.allowed(hdr, op, ResourceType.TOPIC,
+                                                                                 res["resource_name"]):
+            return ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not {op.name} this topic"
+        return None
+
+    async def _alter(self, hdr: RequestHeader, req: dict[str, Any], apply: Any) -> dict[str, Any]:
         out = []
         for res in req["resources"]:
             r = {"error_code": 0, "error_message": None, "resource_type": res["resource_type"],
                  "resource_name": res["resource_name"]}
             out.append(r)
+            refused = self._refused(hdr, Operation.ALTER_CONFIGS, res)
+            if refused:
+                r["error_code"], r["error_message"] = refused
+                continue
             if res["resource_type"] != RESOURCE_TOPIC:
                 r["error_code"] = ErrorCode.INVALID_REQUEST
                 r["error_message"] = "only topic configs can be altered; broker settings are static"
@@ -153,6 +173,9 @@ class AdminApi:
             for p in t["partitions"]:
                 r = {"error_code": 0, "partition": p["partition"], "leader_epoch": -1, "end_offset": -1}
                 parts.append(r)
+                if not self.broker.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, t["topic"]):
+                    r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+                    continue
                 if meta is None or not 0 <= p["partition"] < meta.partitions:
                     r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
                     continue
@@ -170,6 +193,10 @@ class AdminApi:
         return {"throttle_time_ms": 0, "topics": topics}
 
     async def describe_cluster(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        if not self.broker.allowed(hdr, Operation.DESCRIBE, ResourceType.CLUSTER, CLUSTER):
+            return {"throttle_time_ms": 0, "error_code": ErrorCode.CLUSTER_AUTHORIZATION_FAILED,
+                    "error_message": f"{hdr.principal} may not describe the cluster", "cluster_id": "",
+                    "brokers": []}
         brokers = await self.broker.meta.list_brokers()
         return {"throttle_time_ms": 0, "error_code": 0, "cluster_id": self.broker.cfg.cluster,
                 "controller_id": self.broker.cfg.node_id,

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kafscale import _native
+from kafscale.broker.acl_api import AclApi
 from kafscale.broker.admin import AdminApi
 from kafscale.broker.cluster import Cluster
 from kafscale.broker.server import Handler
@@ -21,12 +22,14 @@ from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
+from kafscale.security.acl import CLUSTER, AclBinding, Authorizer, Operation, ResourceType
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, PartitionLog
 from kafscale.storage.reader import SegmentSource
 
 log = logging.getLogger(__name__)
 
+ACL_REFRESH_S = 1.0  # how soon ACLs changed by another broker (or `kafscale acls`) apply here
 
 # A produce payload a worker validated and put in shared memory, and how to
 # hand that memory back; or the error the worker found instead.
@@ -50,6 +53,10 @@ class Broker:
         self.topics: dict[str, TopicMeta] = {}
         self._retention: asyncio.Task[None] | None = None
         self._balancer: asyncio.Task[None] | None = None
+        self._acl_refresher: asyncio.Task[None] | None = None
+        self.authz = Authorizer(cfg.authorizer, cfg.super_users, cfg.allow_everyone_if_no_acl_found)
+        # told when the ACLs change (the log process passes them on to its workers)
+        self.on_acls: Callable[[list[AclBinding]], None] = lambda acls: None
         self.handlers: dict[int, Handler] = {
             schemas.METADATA.key: self.metadata,
             schemas.PRODUCE.key: self.produce,
@@ -61,8 +68,9 @@ class Broker:
         self.cluster = Cluster(meta, cfg)
         self.lease: Any = None  # our etcd lease: broker registration and partition ownership hang on it
         self.groups = GroupCoordinator(meta, cfg.group_initial_rebalance_delay_ms)
-        self.handlers.update(GroupApi(self.groups, self.cluster, self.topic).handlers)
+        self.handlers.update(GroupApi(self.groups, self.cluster, self.topic, self.allowed).handlers)
         self.handlers.update(AdminApi(self).handlers)
+        self.handlers.update(AclApi(self).handlers)
 
     async def start(self, lease: Any) -> None:
         self.lease = lease
@@ -70,6 +78,31 @@ class Broker:
         await self.groups.start()
         self._retention = asyncio.create_task(self._retention_loop(), name="retention")
         self._balancer = asyncio.create_task(self._balance_loop(), name="balancer")
+        if self.authz.enabled:
+            await self.refresh_acls()
+            self._acl_refresher = asyncio.create_task(self._acl_loop(), name="acls")
+
+    # ------------------------------------------------------------ authorization
+    def allowed(self, hdr: RequestHeader, op: Operation, rtype: ResourceType, name: str) -> bool:
+        return self.authz.allows(hdr.principal, hdr.client_host, op, rtype, name)
+
+    def may_create_topic(self, hdr: RequestHeader, name: str) -> bool:
+        return (self.allowed(hdr, Operation.CREATE, ResourceType.CLUSTER, CLUSTER)
+                or self.allowed(hdr, Operation.CREATE, ResourceType.TOPIC, name))
+
+    async def refresh_acls(self) -> None:
+        acls = await self.meta.list_acls()
+        if acls != self.authz.acls:
+            self.authz.update(acls)
+            self.on_acls(acls)
+
+    async def _acl_loop(self) -> None:
+        while True:
+            await asyncio.sleep(ACL_REFRESH_S)
+            try:
+                await self.refresh_acls()
+            except Exception as exc:
+                log.warning("reading ACLs failed (the last ones read still apply): %r", exc)
 
     async def _balance_loop(self) -> None:
         """Follow membership: hand partitions and groups to the broker that
@@ -144,7 +177,7 @@ class Broker:
     async def close(self, drain_s: float = 10) -> None:
         """Flush what producers are waiting on (up to drain_s), release the
         partitions so other brokers take over at once, then stop."""
-        for task in (self._retention, self._balancer):
+        for task in (self._retention, self._balancer, self._acl_refresher):
             if task is not None:
                 task.cancel()
         await self.groups.close()
@@ -240,25 +273,35 @@ class Broker:
                           "replica_nodes": [leader], "isr_nodes": [leader], "offline_replicas": []})
         return {"error_code": 0, "name": meta.name, "topic_id": meta.id, "is_internal": False, "partitions": parts}
 
+    @staticmethod
+    def _topic_error(code: ErrorCode, name: str | None, t: dict[str, Any]) -> dict[str, Any]:
+        return {"error_code": code, "name": name, "topic_id": t.get("topic_id", bytes(16)), "partitions": []}
+
     async def metadata(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         wanted = req.get("topics")
         owners = await self.meta.owners()
         if wanted is None or (hdr.api_version == 0 and not wanted):
             metas = await self.meta.list_topics()
             self.topics.update({m.name: m for m in metas})
-            topics = [self._topic_metadata(m, owners) for m in sorted(metas, key=lambda m: m.name)]
+            topics = [self._topic_metadata(m, owners) for m in sorted(metas, key=lambda m: m.name)
+                      if self.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, m.name)]
         else:
             topics = []
             auto = req.get("allow_auto_topic_creation", True)
             for t in wanted:
                 name = t.get("name")
-                meta = await self.topic(name, auto) if name else await self.topic_by_id(t.get("topic_id", b""))
-                if meta is None:
+                if name and not self.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, name):
+                    topics.append(self._topic_error(ErrorCode.TOPIC_AUTHORIZATION_FAILED, name, t))
+                    continue
+                meta = (await self.topic(name, auto and self.may_create_topic(hdr, name)) if name
+                        else await self.topic_by_id(t.get("topic_id", b"")))
+                if meta is not None and not self.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, meta.name):
+                    topics.append(self._topic_error(ErrorCode.TOPIC_AUTHORIZATION_FAILED, name, t))
+                elif meta is None:
                     err = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if name else ErrorCode.UNKNOWN_TOPIC_ID
                     if name and topic_name_error(name):
                         err = ErrorCode.INVALID_TOPIC_EXCEPTION
-                    topics.append({"error_code": err, "name": name, "topic_id": t.get("topic_id", bytes(16)),
-                                   "partitions": []})
+                    topics.append(self._topic_error(err, name, t))
                 else:
                     topics.append(self._topic_metadata(meta, owners))
         return {"throttle_time_ms": 0, "brokers": self._broker_list(), "cluster_id": self.cfg.cluster,
@@ -272,7 +315,8 @@ class Broker:
         async with hdr.append_order:  # appends in the order the connection sent them
             for td in req["topic_data"]:
                 parts = []
-                meta = await self.topic(td["name"], auto_create=True)
+                writable = self.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, td["name"])
+                meta = await self.topic(td["name"], self.may_create_topic(hdr, td["name"])) if writable else None
                 for pd in td["partition_data"]:
                     r = {"index": pd["index"], "error_code": 0, "base_offset": -1, "log_append_time_ms": -1,
                          "log_start_offset": -1, "record_errors": [], "error_message": None}
@@ -282,6 +326,8 @@ class Broker:
                     try:
                         if isinstance(accepted, LogError):
                             raise accepted
+                        if not writable:
+                            raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not write")
                         if acks not in (0, 1, -1):
                             raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
                         if req.get("transactional_id") is not None:
@@ -341,6 +387,9 @@ class Broker:
                 r = {"partition_index": p["partition_index"], "error_code": 0, "old_style_offsets": [],
                      "timestamp": -1, "offset": -1, "leader_epoch": 0}
                 parts.append(r)
+                if not self.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, t["name"]):
+                    r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+                    continue
                 if meta is None or not 0 <= p["partition_index"] < meta.partitions:
                     r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
                     continue
@@ -376,7 +425,10 @@ class Broker:
             out.append(r)
             configs = {c["name"]: c["value"] for c in t["configs"]}
             bad_cfg = topic_config.validate(configs)
-            if topic_name_error(name):
+            if not self.may_create_topic(hdr, name):
+                r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+                r["error_message"] = f"{hdr.principal} may not create topic {name}"
+            elif topic_name_error(name):
                 r["error_code"], r["error_message"] = ErrorCode.INVALID_TOPIC_EXCEPTION, topic_name_error(name)
             elif n <= 0 or n > 10000:
                 r["error_code"], r["error_message"] = ErrorCode.INVALID_PARTITIONS, f"{n} partitions"
@@ -412,6 +464,9 @@ class Broker:
             meta = await self.topic(name) if name else await self.topic_by_id(topic_id)
             r = {"name": name, "topic_id": topic_id, "error_code": 0, "error_message": None}
             out.append(r)
+            if not self.allowed(hdr, Operation.DELETE, ResourceType.TOPIC, meta.name if meta else name or ""):
+                r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+                continue
             if meta is None:
                 r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if name else ErrorCode.UNKNOWN_TOPIC_ID
                 continue
@@ -434,6 +489,11 @@ class Broker:
     async def init_producer_id(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         if req.get("transactional_id") is not None:
             return {"throttle_time_ms": 0, "error_code": ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+                    "producer_id": -1, "producer_epoch": -1}
+        # Kafka's rule (KIP-679): IdempotentWrite on the cluster, or Write on some topic
+        if not (self.allowed(hdr, Operation.IDEMPOTENT_WRITE, ResourceType.CLUSTER, CLUSTER)
+                or self.authz.allows_any_topic(hdr.principal, hdr.client_host, Operation.WRITE)):
+            return {"throttle_time_ms": 0, "error_code": ErrorCode.CLUSTER_AUTHORIZATION_FAILED,
                     "producer_id": -1, "producer_epoch": -1}
         if req.get("producer_id", -1) >= 0:  # KIP-360: an idempotent producer bumps its epoch
             return {"throttle_time_ms": 0, "error_code": 0, "producer_id": req["producer_id"],

@@ -1,10 +1,11 @@
 """The log process's service to its workers, over a Unix socket.
 
-Calls: `hello` (the worker's ring slot), `produce` (a Produce whose payloads
-are ring descriptors), `view` (open a partition for Fetch: its segments,
-watermarks and cached segments) and `frame` (any other request, raw). Events
-to every worker: `changed` whenever a partition log commits a segment, moves
-its start offset or closes."""
+Calls: `hello` (the worker's ring slot; answered with the ACLs), `produce` (a
+Produce whose payloads are ring descriptors), `view` (open a partition for
+Fetch: its segments, watermarks and cached segments), `user` (a SASL user's
+stored credentials) and `frame` (any other request, raw). Events to every
+worker: `changed` whenever a partition log commits a segment, moves its start
+offset or closes; `acls` when the ACLs change."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +22,7 @@ from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
 from kafscale.protocol.schemas import PRODUCE
+from kafscale.security.acl import AclBinding
 from kafscale.storage.partition import LogError, PartitionLog
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class LogService:
         self._conn_tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.base_events.Server | None = None
         broker.on_change = self._changed
+        broker.on_acls = self._acls_changed
 
     async def start(self, path: str) -> None:
         self._server = await asyncio.start_unix_server(self._connected, path, limit=64 * 1024 * 1024)
@@ -57,9 +60,11 @@ class LogService:
                 return await self._frame(*args)
             if kind == "view":
                 return await self._view(*args)
+            if kind == "user":
+                return await self.broker.meta.get_user(*args)
             if kind == "hello":
                 self.channels.add(ch)
-                return None
+                return [a.to_json() for a in self.broker.authz.acls]
             raise ValueError(f"unknown call {kind}")
 
         ch = Channel(reader, writer, on_call=on_call)
@@ -73,12 +78,13 @@ class LogService:
             self._conn_tasks.discard(task)
 
     # ------------------------------------------------------------------ calls
-    async def _produce(self, append_order: asyncio.Lock, version: int, client_id: str | None,
-                       req: dict[str, Any]) -> dict[str, Any] | None:
+    async def _produce(self, append_order: asyncio.Lock, version: int, client_id: str | None, client_host: str,
+                       principal: str, req: dict[str, Any]) -> dict[str, Any] | None:
         for td in req["topic_data"]:
             for pd in td["partition_data"]:
                 pd["records"] = self._accept(pd["records"])
-        hdr = RequestHeader(PRODUCE.key, version, 0, client_id, False, append_order=append_order)
+        hdr = RequestHeader(PRODUCE.key, version, 0, client_id, False, client_host, principal,
+                            append_order=append_order)
         return await self.broker.produce(hdr, req)
 
     def _accept(self, desc: tuple[Any, ...]) -> Accepted | LogError:
@@ -88,11 +94,11 @@ class LogService:
         tracker = self.trackers[slot]
         return tracker.track(start, n), functools.partial(tracker.release, start)
 
-    async def _frame(self, client_host: str, frame: bytes) -> tuple[str, Any]:
+    async def _frame(self, client_host: str, principal: str, frame: bytes) -> tuple[str, Any]:
         try:
             view = memoryview(frame)
             hdr, body_at = parse_header(view)
-            hdr.client_host = client_host
+            hdr.client_host, hdr.principal = client_host, principal
             chunks = await call_handler(self.broker.handlers, hdr, view, body_at)
         except ProtocolViolation as exc:
             return "violation", str(exc)
@@ -112,6 +118,12 @@ class LogService:
                 "segments": [dataclasses.asdict(m) for m in lg.segments], "cached": cached}
 
     # ----------------------------------------------------------------- events
+    def _acls_changed(self, acls: list[AclBinding]) -> None:
+        raw = [a.to_json() for a in acls]
+        for ch in list(self.channels):
+            if not ch.closed:
+                ch.event("acls", raw)
+
     def _changed(self, lg: PartitionLog, manifest: SegmentManifest | None) -> None:
         ref = self.cache.ref(manifest.key) if manifest is not None else None
         args = (lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start,

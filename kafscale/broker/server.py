@@ -18,13 +18,15 @@ import ssl as ssl_mod
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kafscale import metrics
 from kafscale.protocol.codec import DecodeError
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader, encode_response, parse_request_header
-from kafscale.protocol.schemas import API_VERSIONS, APIS
+from kafscale.protocol.schemas import API_VERSIONS, APIS, SASL_AUTHENTICATE, SASL_HANDSHAKE
+from kafscale.security.sasl import ANONYMOUS, Lookup, SaslExchange, SaslFailed
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,30 @@ ON_SENT: contextvars.ContextVar[list[Callable[[], None]]] = contextvars.ContextV
 
 class ProtocolViolation(Exception):
     """The client sent something that is not a valid request: close the connection."""
+
+
+@dataclass(frozen=True)
+class SaslSettings:
+    """A listener that requires SASL: the mechanisms it offers and where credentials come from."""
+    mechanisms: tuple[str, ...]
+    lookup: Lookup
+
+
+@dataclass
+class Session:
+    """One connection's authentication state."""
+    conn: int
+    peer: Any
+    authenticated: bool
+    principal: str = ANONYMOUS
+    exchange: SaslExchange | None = None
+    raw_tokens: bool = False  # after SaslHandshake v0: bare size-prefixed SASL tokens, no Kafka framing
+    closing: bool = False  # authentication failed: close once the answer is sent
+
+
+SESSION: contextvars.ContextVar[Session] = contextvars.ContextVar("session")
+_SASL_APIS = (SASL_HANDSHAKE.key, SASL_AUTHENTICATE.key)
+_BEFORE_AUTH = (API_VERSIONS.key, *_SASL_APIS)
 
 
 async def call_handler(handlers: dict[int, Handler], hdr: RequestHeader, frame: memoryview, body_at: int
@@ -77,9 +103,12 @@ def parse_header(frame: memoryview) -> tuple[RequestHeader, int]:
 
 class KafkaServer:
     def __init__(self, handlers: dict[int, Handler], host: str, port: int, max_request_bytes: int,
-                 reuse_port: bool = False, forward: Forward | None = None, ssl: ssl_mod.SSLContext | None = None
-                 ) -> None:
+                 reuse_port: bool = False, forward: Forward | None = None, ssl: ssl_mod.SSLContext | None = None,
+                 sasl: SaslSettings | None = None) -> None:
         self.handlers = handlers
+        self.sasl = sasl
+        self._sasl_handlers: dict[int, Handler] = {SASL_HANDSHAKE.key: self.sasl_handshake,
+                                                   SASL_AUTHENTICATE.key: self.sasl_authenticate}
         self.ssl = ssl
         self.forward = forward
         self.host = host
@@ -95,7 +124,8 @@ class KafkaServer:
                                                   limit=1024 * 1024, **tls)
         sock = self._server.sockets[0]
         self.port = sock.getsockname()[1]
-        log.info("Kafka listener on %s:%d%s", self.host, self.port, " (TLS)" if self.ssl else "")
+        log.info("Kafka listener on %s:%d (%s%s)", self.host, self.port, "SASL_" if self.sasl else "",
+                 "SSL" if self.ssl else "PLAINTEXT")
 
     def stop_listening(self) -> None:
         """Accept no new connections; the open ones carry on."""
@@ -131,14 +161,30 @@ class KafkaServer:
         queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestHeader] | None] = asyncio.Queue(
             MAX_IN_FLIGHT)
         sender = asyncio.create_task(self._send_loop(queue, writer, conn, peer))
+        session = Session(conn, peer, authenticated=self.sasl is None)
+        SESSION.set(session)  # request tasks copy this context
         try:
             while not sender.done():
-                frame = await self._read_frame(reader)
+                frame = await self._read_frame(reader, 1 if session.raw_tokens else 8)
                 if frame is None:
                     break
+                if session.raw_tokens:
+                    task = asyncio.create_task(self._raw_token(session, bytes(frame)))
+                    await queue.put((task, RequestHeader(SASL_AUTHENTICATE.key, 0, 0, None, False)))
+                    await asyncio.wait([task])
+                    if session.closing:
+                        break
+                    continue
                 hdr, body_at = parse_header(frame)
-                hdr.client_host, hdr.append_order = client_host, append_order
-                await queue.put((asyncio.create_task(self._handle(hdr, frame, body_at)), hdr))
+                if not session.authenticated and hdr.api_key not in _BEFORE_AUTH:
+                    raise ProtocolViolation(f"{APIS[hdr.api_key].name} request before SASL authentication")
+                hdr.client_host, hdr.append_order, hdr.principal = client_host, append_order, session.principal
+                task = asyncio.create_task(self._handle(hdr, frame, body_at))
+                await queue.put((task, hdr))
+                if hdr.api_key in _SASL_APIS:
+                    await asyncio.wait([task])  # the next request must see the outcome
+                    if session.closing:
+                        break
         except ProtocolViolation as exc:
             log.warning("conn %d from %s: closing: %s", conn, peer, exc)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -156,7 +202,7 @@ class KafkaServer:
                 await writer.wait_closed()
             self._conns.pop(task, None)
 
-    async def _read_frame(self, reader: asyncio.StreamReader) -> memoryview | None:
+    async def _read_frame(self, reader: asyncio.StreamReader, min_size: int = 8) -> memoryview | None:
         try:
             head = await reader.readexactly(4)
         except asyncio.IncompleteReadError as exc:
@@ -164,8 +210,8 @@ class KafkaServer:
                 raise ProtocolViolation(f"truncated size prefix ({len(exc.partial)} bytes)") from None
             return None
         (size,) = _SIZE.unpack(head)
-        if size < 8 or size > self.max_request_bytes:
-            raise ProtocolViolation(f"frame size {size} outside [8, {self.max_request_bytes}]")
+        if size < min_size or size > self.max_request_bytes:
+            raise ProtocolViolation(f"frame size {size} outside [{min_size}, {self.max_request_bytes}]")
         try:
             return memoryview(await reader.readexactly(size))
         except asyncio.IncompleteReadError as exc:
@@ -189,9 +235,60 @@ class KafkaServer:
             assert body is not None
             body["error_code"] = ErrorCode.UNSUPPORTED_VERSION
             return encode_response(hdr, body)
+        if hdr.api_key in self._sasl_handlers:
+            return await call_handler(self._sasl_handlers, hdr, frame, body_at)
         if hdr.api_key not in self.handlers and self.forward is not None:
             return await self.forward(hdr, frame)
         return await call_handler(self.handlers, hdr, frame, body_at)
+
+    # ------------------------------------------------------------------ SASL
+    async def sasl_handshake(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        session = SESSION.get()
+        offered = list(self.sasl.mechanisms) if self.sasl else []
+        if self.sasl is None or session.authenticated or session.exchange is not None:
+            session.closing = True
+            return {"error_code": ErrorCode.ILLEGAL_SASL_STATE, "mechanisms": offered}
+        if req["mechanism"] not in offered:
+            log.info("conn %d from %s: unsupported SASL mechanism %r", session.conn, session.peer, req["mechanism"])
+            session.closing = True
+            return {"error_code": ErrorCode.UNSUPPORTED_SASL_MECHANISM, "mechanisms": offered}
+        session.exchange = SaslExchange(req["mechanism"], self.sasl.lookup)
+        session.raw_tokens = hdr.api_version == 0
+        return {"error_code": 0, "mechanisms": offered}
+
+    async def _raw_token(self, session: Session, token: bytes) -> list[bytes] | None:
+        """One SASL token after a v0 handshake: answered bare; a failure just closes."""
+        assert session.exchange is not None
+        try:
+            answer = await session.exchange.step(token)
+        except SaslFailed as exc:
+            log.info("conn %d from %s: %s", session.conn, session.peer, exc)
+            session.closing = True
+            return None
+        if session.exchange.principal is not None:
+            session.principal, session.authenticated = session.exchange.principal, True
+            session.raw_tokens = False
+        return [_SIZE.pack(len(answer)), answer]
+
+    async def sasl_authenticate(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        session = SESSION.get()
+        exchange = session.exchange
+        if exchange is None or session.authenticated:
+            session.closing = True
+            return {"error_code": ErrorCode.ILLEGAL_SASL_STATE, "error_message": "no SASL handshake in progress",
+                    "auth_bytes": b""}
+        try:
+            token = await exchange.step(bytes(req["auth_bytes"]))
+        except SaslFailed as exc:
+            log.info("conn %d from %s: %s", session.conn, session.peer, exc)
+            session.closing = True
+            return {"error_code": ErrorCode.SASL_AUTHENTICATION_FAILED, "error_message": str(exc),
+                    "auth_bytes": b""}
+        if exchange.principal is not None:
+            session.principal, session.authenticated = exchange.principal, True
+            log.debug("conn %d from %s: authenticated as %s (%s)", session.conn, session.peer,
+                      exchange.principal, exchange.mechanism)
+        return {"error_code": 0, "error_message": None, "auth_bytes": token, "session_lifetime_ms": 0}
 
     async def _send_loop(self, queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestHeader] | None],
                          writer: asyncio.StreamWriter, conn: int, peer: Any) -> None:

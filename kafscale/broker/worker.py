@@ -15,13 +15,14 @@ from typing import Any
 
 from kafscale import _native, metrics
 from kafscale.broker.ipc import Channel, ChannelClosed
-from kafscale.broker.server import ON_SENT, KafkaServer, ProtocolViolation, run_on_sent
+from kafscale.broker.server import ON_SENT, KafkaServer, ProtocolViolation, SaslSettings, run_on_sent
 from kafscale.broker.shm import CacheReader, CacheRef, Ring, SharedArea
 from kafscale.config import Config
 from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
+from kafscale.security.acl import AclBinding, Authorizer, Operation, ResourceType
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.reader import LogError, LogReader
@@ -62,6 +63,7 @@ class PartitionView(LogReader):
     watermarks and cache locations, kept current by the log process's events."""
 
     def __init__(self, store: ObjectStore, cache: CacheReader, readahead: int, state: dict[str, Any]) -> None:
+        self.topic: str = state["topic"]
         self.view_cache = _ViewCache(cache)
         super().__init__(store, self.view_cache, readahead)
         self.set_segments([SegmentManifest(**m) for m in state["segments"]])
@@ -92,6 +94,7 @@ class Worker:
         self.store = ObjectStore.from_config(cfg)
         self.chan: Channel | None = None
         self.views: dict[tuple[str, int], PartitionView] = {}
+        self.authz = Authorizer(cfg.authorizer, cfg.super_users, cfg.allow_everyone_if_no_acl_found)
         self.topic_ids: dict[bytes, str] = {}
         self._changed = asyncio.Event()
         self._opening = 0  # views being opened: their events may arrive before the view exists
@@ -108,10 +111,12 @@ class Worker:
         reader, writer = await asyncio.open_unix_connection(socket_path, limit=64 * 1024 * 1024)
         self.chan = Channel(reader, writer, on_event=self._on_event)
         self._serving = asyncio.create_task(self.chan.serve())
-        await self.chan.call("hello", self.slot)
+        self._set_acls(await self.chan.call("hello", self.slot))
         host, port = self.cfg.listen_addr()
+        mechanisms = self.cfg.sasl_mechanism_list()
+        sasl = SaslSettings(mechanisms, lambda user: self.chan.call("user", user)) if mechanisms else None
         self.server = KafkaServer(self.handlers, host, port, self.cfg.max_request_bytes, reuse_port=True,
-                                  forward=self.forward, ssl=self.cfg.server_ssl())
+                                  forward=self.forward, ssl=self.cfg.server_ssl(), sasl=sasl)
         await self.server.start()
 
     async def run_until_log_process_exits(self) -> None:
@@ -129,7 +134,12 @@ class Worker:
         await self.store.close()
 
     # --------------------------------------------------------------- events
+    def _set_acls(self, raw: list[bytes]) -> None:
+        self.authz.update(AclBinding.from_json(a) for a in raw)
+
     def _on_event(self, kind: str, args: tuple[Any, ...]) -> None:
+        if kind == "acls":
+            self._set_acls(args[0])
         if kind != "changed":
             return
         view = self.views.get((args[0], args[1]))
@@ -155,7 +165,7 @@ class Worker:
     async def forward(self, hdr: RequestHeader, frame: memoryview) -> list[Any] | None:
         assert self.chan is not None
         try:
-            kind, value = await self.chan.call("frame", hdr.client_host, bytes(frame))
+            kind, value = await self.chan.call("frame", hdr.client_host, hdr.principal, bytes(frame))
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
         if kind == "violation":
@@ -171,7 +181,7 @@ class Worker:
             for pd in td["partition_data"]:
                 pd["records"] = self._stage(pd["records"])
         try:
-            reply = self.chan.call("produce", hdr.api_version, hdr.client_id, req)
+            reply = self.chan.call("produce", hdr.api_version, hdr.client_id, hdr.client_host, hdr.principal, req)
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
         if req["acks"] == 0:
@@ -246,6 +256,10 @@ class Worker:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{name}/{p} moved while it was opened")
         return view
 
+    def _authorize_read(self, hdr: RequestHeader, topic: str) -> None:
+        if not self.authz.allows(hdr.principal, hdr.client_host, Operation.READ, ResourceType.TOPIC, topic):
+            raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not read {topic}")
+
     async def _fetch_once(self, hdr: RequestHeader, req: dict[str, Any]) -> tuple[list[dict[str, Any]], int, bool]:
         budget = req.get("max_bytes", 0x7FFFFFFF)
         total, errors = 0, False
@@ -260,7 +274,11 @@ class Worker:
                      "preferred_read_replica": -1, "records": b""}
                 parts.append(r)
                 try:
+                    if name is not None:  # by id: once the view names the topic
+                        self._authorize_read(hdr, name)
                     view = await self._view(name, t.get("topic_id") if by_id else None, p["partition"])
+                    if name is None:
+                        self._authorize_read(hdr, view.topic)
                     r["high_watermark"] = r["last_stable_offset"] = view.hw
                     r["log_start_offset"] = view.log_start
                     limit = min(p["partition_max_bytes"], budget - total)

@@ -9,16 +9,19 @@ from kafscale.metadata.store import TopicMeta
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
+from kafscale.security.acl import CLUSTER, Operation, ResourceType
 
 if TYPE_CHECKING:
     from kafscale.broker.cluster import Cluster
 
 KEY_TYPE_GROUP = 0
+Allowed = Callable[[RequestHeader, Operation, ResourceType, str], bool]
 
 
 class GroupApi:
     def __init__(self, coordinator: GroupCoordinator, cluster: Cluster,
-                 topic: Callable[[str], Awaitable[TopicMeta | None]]) -> None:
+                 topic: Callable[[str], Awaitable[TopicMeta | None]], allowed: Allowed) -> None:
+        self.allowed = allowed
         self.coord = coordinator
         self.cluster = cluster
         self.topic = topic
@@ -35,8 +38,12 @@ class GroupApi:
             schemas.DELETE_GROUPS.key: self.delete_groups,
         }
 
-    def _mine(self, group_id: str) -> None:
-        """Each group is coordinated by one live broker; others answer NOT_COORDINATOR."""
+    def _mine(self, hdr: RequestHeader, op: Operation, group_id: str) -> None:
+        """The principal may do op on the group (else GROUP_AUTHORIZATION_FAILED), and
+        this broker coordinates it: each group has one live coordinator, others
+        answer NOT_COORDINATOR."""
+        if not self.allowed(hdr, op, ResourceType.GROUP, group_id):
+            raise GroupError(ErrorCode.GROUP_AUTHORIZATION_FAILED, f"{hdr.principal} may not {op.name} {group_id}")
         if self.cluster.coordinator_for(group_id) != self.cluster.me:
             raise GroupError(ErrorCode.NOT_COORDINATOR, f"group {group_id} is coordinated by another broker")
 
@@ -51,6 +58,9 @@ class GroupApi:
             elif not key:
                 found.append({"key": key, "node_id": -1, "host": "", "port": -1,
                               "error_code": ErrorCode.INVALID_GROUP_ID, "error_message": "empty group id"})
+            elif not self.allowed(hdr, Operation.DESCRIBE, ResourceType.GROUP, key):
+                found.append({"key": key, "node_id": -1, "host": "", "port": -1,
+                              "error_code": ErrorCode.GROUP_AUTHORIZATION_FAILED, "error_message": None})
             else:
                 node = self.cluster.coordinator_for(key)
                 host, port = self.cluster.address(node)
@@ -63,7 +73,7 @@ class GroupApi:
 
     async def join_group(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         try:
-            self._mine(req["group_id"])
+            self._mine(hdr, Operation.READ, req["group_id"])
             return await self.coord.join(req, hdr.api_version, hdr.client_id or "", hdr.client_host)
         except GroupError as exc:
             return {"throttle_time_ms": 0, "error_code": exc.code, "generation_id": -1, "protocol_type": None,
@@ -71,14 +81,14 @@ class GroupApi:
 
     async def sync_group(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         try:
-            self._mine(req["group_id"])
+            self._mine(hdr, Operation.READ, req["group_id"])
             return await self.coord.sync(req)
         except GroupError as exc:
             return {"throttle_time_ms": 0, "error_code": exc.code, "assignment": b""}
 
     async def heartbeat(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         try:
-            self._mine(req["group_id"])
+            self._mine(hdr, Operation.READ, req["group_id"])
             await self.coord.heartbeat(req)
             return {"throttle_time_ms": 0, "error_code": 0}
         except GroupError as exc:
@@ -90,7 +100,7 @@ class GroupApi:
         else:
             who = [(req["member_id"], None)]
         try:
-            self._mine(req["group_id"])
+            self._mine(hdr, Operation.READ, req["group_id"])
         except GroupError as exc:
             return {"throttle_time_ms": 0, "error_code": exc.code, "members": []}
         codes = await self.coord.leave(req["group_id"], who)
@@ -102,10 +112,18 @@ class GroupApi:
     async def offset_commit(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         results: dict[tuple[str, int], ErrorCode] = {}
         offsets = {}
+        group_ok = self.allowed(hdr, Operation.READ, ResourceType.GROUP, req["group_id"])
         for t in req["topics"]:
             meta = await self.topic(t["name"])
+            topic_ok = self.allowed(hdr, Operation.READ, ResourceType.TOPIC, t["name"])
             for p in t["partitions"]:
                 key = (t["name"], p["partition_index"])
+                if not group_ok:
+                    results[key] = ErrorCode.GROUP_AUTHORIZATION_FAILED
+                    continue
+                if not topic_ok:
+                    results[key] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+                    continue
                 if meta is None or not 0 <= p["partition_index"] < meta.partitions:
                     results[key] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
                     continue
@@ -117,7 +135,7 @@ class GroupApi:
                     results[key] = exc.code
         if offsets:
             try:
-                self._mine(req["group_id"])
+                self._mine(hdr, Operation.READ, req["group_id"])
                 await self.coord.commit_offsets(req["group_id"], req.get("generation_id_or_member_epoch", -1),
                                                 req.get("member_id", ""), req.get("group_instance_id"), offsets)
             except GroupError as exc:
@@ -127,23 +145,27 @@ class GroupApi:
                                                 "error_code": results[(t["name"], p["partition_index"])]}
                                                for p in t["partitions"]]} for t in req["topics"]]}
 
-    async def _fetch_group(self, group_id: str, topics: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-        self._mine(group_id)
+    async def _fetch_group(self, hdr: RequestHeader, group_id: str, topics: list[dict[str, Any]] | None
+                           ) -> list[dict[str, Any]]:
+        self._mine(hdr, Operation.DESCRIBE, group_id)
         committed = await self.coord.fetch_offsets(group_id)
-        if topics is None:
+        if topics is None:  # every committed partition the principal may see
             wanted: dict[str, list[int]] = {}
             for t, p in sorted(committed):
-                wanted.setdefault(t, []).append(p)
+                if self.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, t):
+                    wanted.setdefault(t, []).append(p)
         else:
             wanted = {t["name"]: t["partition_indexes"] for t in topics}
         out = []
         for name, parts in wanted.items():
             rows = []
+            denied = not self.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, name)
             for p in parts:
-                c = committed.get((name, p))
+                c = None if denied else committed.get((name, p))
                 rows.append({"partition_index": p, "committed_offset": c["offset"] if c else -1,
                              "committed_leader_epoch": c["leader_epoch"] if c else -1,
-                             "metadata": c["metadata"] if c else "", "error_code": 0})
+                             "metadata": c["metadata"] if c else "",
+                             "error_code": ErrorCode.TOPIC_AUTHORIZATION_FAILED if denied else 0})
             out.append({"name": name, "partitions": rows})
         return out
 
@@ -153,13 +175,13 @@ class GroupApi:
             for g in req["groups"]:
                 try:
                     groups.append({"group_id": g["group_id"], "error_code": 0,
-                                   "topics": await self._fetch_group(g["group_id"], g["topics"])})
+                                   "topics": await self._fetch_group(hdr, g["group_id"], g["topics"])})
                 except GroupError as exc:
                     groups.append({"group_id": g["group_id"], "error_code": exc.code, "topics": []})
             return {"throttle_time_ms": 0, "groups": groups}
         try:
             return {"throttle_time_ms": 0, "error_code": 0,
-                    "topics": await self._fetch_group(req["group_id"], req["topics"])}
+                    "topics": await self._fetch_group(hdr, req["group_id"], req["topics"])}
         except GroupError as exc:
             return {"throttle_time_ms": 0, "error_code": exc.code, "topics": []}
 
@@ -167,7 +189,7 @@ class GroupApi:
         out = []
         for g in req["groups"]:
             try:
-                self._mine(g)
+                self._mine(hdr, Operation.DESCRIBE, g)
                 out.append(await self.coord.describe(g))
             except GroupError as exc:
                 out.append({"error_code": exc.code, "group_id": g, "group_state": "", "protocol_type": "",
@@ -177,9 +199,11 @@ class GroupApi:
     async def list_groups(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         states = {s.lower() for s in req.get("states_filter") or []}
         types = {t.lower() for t in req.get("types_filter") or []}
+        every = self.allowed(hdr, Operation.DESCRIBE, ResourceType.CLUSTER, CLUSTER)
         groups = [{"group_id": gid, "protocol_type": pt, "group_state": st, "group_type": "classic"}
                   for gid, pt, st in await self.coord.list()
                   if self.cluster.coordinator_for(gid) == self.cluster.me
+                  and (every or self.allowed(hdr, Operation.DESCRIBE, ResourceType.GROUP, gid))
                   and (not states or st.lower() in states) and (not types or "classic" in types)]
         return {"throttle_time_ms": 0, "error_code": 0, "groups": groups}
 
@@ -187,7 +211,7 @@ class GroupApi:
         results = []
         for g in req["groups_names"]:
             try:
-                self._mine(g)
+                self._mine(hdr, Operation.DELETE, g)
                 results.append({"group_id": g, "error_code": await self.coord.delete(g)})
             except GroupError as exc:
                 results.append({"group_id": g, "error_code": exc.code})

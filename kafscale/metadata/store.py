@@ -10,6 +10,8 @@
   offsets/{group}/{topic}/{p}    {"offset": n, "metadata": str, "leader_epoch": n, "commit_ms": n}
   groups/{group}                 group state of the last completed rebalance (members, assignments)
   processors/{name}/{topic}/{p}  a processor's next offset (kafscale.processors)
+  users/{name}                   SCRAM credentials per mechanism (salted and hashed, kafscale.security.sasl)
+  acls/{id}                      one ACL binding (kafscale.security.acl)
 
 Every segment commit is one transaction that compares the partition key
 with the exact value this owner last wrote (it carries epoch and watermark),
@@ -23,6 +25,8 @@ from typing import Any
 
 import aetcd
 from aetcd.utils import prefix_range_end
+
+from kafscale.security.acl import AclBinding
 
 
 class Fenced(Exception):
@@ -326,6 +330,34 @@ class MetaStore:
     async def load_group(self, group: str) -> dict[str, Any] | None:
         r = await self.client.get(self.k("groups", group))
         return None if r is None else json.loads(r.value)
+
+    # --------------------------------------------------------------- security
+    async def put_user(self, name: str, credentials: dict[str, Any]) -> None:
+        await self.client.put(self.k("users", name), json.dumps(credentials).encode())
+
+    async def get_user(self, name: str) -> dict[str, Any] | None:
+        r = await self.client.get(self.k("users", name))
+        return None if r is None else json.loads(r.value)
+
+    async def delete_user(self, name: str) -> bool:
+        return bool(await self.client.delete(self.k("users", name)))
+
+    async def list_users(self) -> list[str]:
+        base = self.k("users", "")
+        return sorted(kv.key[len(base):].decode() for kv in await self.client.get_prefix(base, keys_only=True))
+
+    async def put_acls(self, acls: list[AclBinding]) -> None:
+        tx = self.client.transactions
+        await self.client.transaction(compare=[], success=[tx.put(self.k("acls", a.id), a.to_json()) for a in acls],
+                                      failure=[])
+
+    async def delete_acls(self, acls: list[AclBinding]) -> None:
+        tx = self.client.transactions
+        await self.client.transaction(compare=[], success=[tx.delete(self.k("acls", a.id)) for a in acls],
+                                      failure=[])
+
+    async def list_acls(self) -> list[AclBinding]:
+        return sorted(AclBinding.from_json(kv.value) for kv in await self.client.get_prefix(self.k("acls", "")))
 
     # ---------------------------------------------------------------- brokers
     async def register_broker(self, broker_id: int, host: str, port: int, ttl: int) -> Any:

@@ -28,6 +28,7 @@ class RequestHeader:
     client_id: str | None
     flexible: bool
     client_host: str = ""
+    principal: str = "User:ANONYMOUS"  # who the connection authenticated as (SASL)
     # One per connection: Kafka handles a connection's requests one at a time,
     # so clients rely on pipelined produces being appended in send order.
     append_order: asyncio.Lock = field(default_factory=asyncio.Lock)

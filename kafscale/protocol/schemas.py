@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kafscale.protocol.codec import Message, parse_schema
+from kafscale.protocol.codec import MAX_VERSION, Message, parse_schema
 
 
 @dataclass(frozen=True)
@@ -595,11 +595,96 @@ brokers: [
 cluster_authorized_operations: int32 default=-2147483648
 """)
 
+# After a v0 handshake the client sends bare SASL tokens (no Kafka header), answered bare.
+SASL_HANDSHAKE = _api(17, "SaslHandshake", (0, 1), MAX_VERSION, """
+mechanism: string
+""", """
+error_code: int16
+mechanisms: [string]
+""")
+
+SASL_AUTHENTICATE = _api(36, "SaslAuthenticate", (0, 2), 2, """
+auth_bytes: bytes
+""", """
+error_code: int16
+error_message: string ?
+auth_bytes: bytes
+session_lifetime_ms: int64 1+
+""")
+
+_ACL_FILTER = """
+resource_type_filter: int8
+resource_name_filter: string ?
+pattern_type_filter: int8 1+ default=3
+principal_filter: string ?
+host_filter: string ?
+operation: int8
+permission_type: int8
+"""
+
+DESCRIBE_ACLS = _api(29, "DescribeAcls", (0, 3), 2, _ACL_FILTER, """
+throttle_time_ms: int32
+error_code: int16
+error_message: string ?
+resources: [
+  resource_type: int8
+  resource_name: string
+  pattern_type: int8 1+ default=3
+  acls: [
+    principal: string
+    host: string
+    operation: int8
+    permission_type: int8
+  ]
+]
+""")
+
+CREATE_ACLS = _api(30, "CreateAcls", (0, 3), 2, """
+creations: [
+  resource_type: int8
+  resource_name: string
+  resource_pattern_type: int8 1+ default=3
+  principal: string
+  host: string
+  operation: int8
+  permission_type: int8
+]
+""", """
+throttle_time_ms: int32
+results: [
+  error_code: int16
+  error_message: string ?
+]
+""")
+
+DELETE_ACLS = _api(31, "DeleteAcls", (0, 3), 2, """
+filters: [
+""" + _ACL_FILTER + """]
+""", """
+throttle_time_ms: int32
+filter_results: [
+  error_code: int16
+  error_message: string ?
+  matching_acls: [
+    error_code: int16
+    error_message: string ?
+    resource_type: int8
+    resource_name: string
+    pattern_type: int8 1+ default=3
+    principal: string
+    host: string
+    operation: int8
+    permission_type: int8
+  ]
+]
+""")
+
 APIS: dict[int, Api] = {a.key: a for a in (
     PRODUCE, FETCH, LIST_OFFSETS, METADATA, OFFSET_COMMIT, OFFSET_FETCH, FIND_COORDINATOR, JOIN_GROUP, HEARTBEAT,
     LEAVE_GROUP, SYNC_GROUP, DESCRIBE_GROUPS, LIST_GROUPS, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS,
     INIT_PRODUCER_ID, OFFSET_FOR_LEADER_EPOCH, DESCRIBE_CONFIGS, ALTER_CONFIGS, CREATE_PARTITIONS, DELETE_GROUPS,
-    INCREMENTAL_ALTER_CONFIGS, DESCRIBE_CLUSTER,
+    INCREMENTAL_ALTER_CONFIGS, DESCRIBE_CLUSTER, SASL_HANDSHAKE, SASL_AUTHENTICATE, DESCRIBE_ACLS, CREATE_ACLS,
+    DELETE_ACLS,
 )}
 
 

@@ -79,23 +79,26 @@ def confluent_consume(bootstrap: str, topic: str, n: int, partition: int = 0, st
     return out
 
 
-def kafka_python_produce(bootstrap: str, topic: str, recs: list[Rec], codec: str | None) -> list[int]:
+# Python clients take security settings as keyword arguments (security_protocol, sasl_mechanism, ...).
+def kafka_python_produce(bootstrap: str, topic: str, recs: list[Rec], codec: str | None, **security: str
+                         ) -> list[int]:
     from kafka import KafkaProducer
 
     p = KafkaProducer(bootstrap_servers=bootstrap, compression_type=codec, linger_ms=5,
-                      max_request_size=4 * 1024 * 1024)
+                      max_request_size=4 * 1024 * 1024, **security)
     futs = [p.send(topic, value=r.value, key=r.key, headers=list(r.headers), partition=0) for r in recs]
     offsets = [f.get(timeout=60).offset for f in futs]
     p.close()
     return offsets
 
 
-def kafka_python_consume(bootstrap: str, topic: str, n: int, timeout: float = 60) -> list[tuple[int, Rec]]:
+def kafka_python_consume(bootstrap: str, topic: str, n: int, timeout: float = 60, **security: str
+                         ) -> list[tuple[int, Rec]]:
     from kafka import KafkaConsumer
     from kafka import TopicPartition as KTP
 
     c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                      auto_offset_reset="earliest", max_partition_fetch_bytes=4 * 1024 * 1024)
+                      auto_offset_reset="earliest", max_partition_fetch_bytes=4 * 1024 * 1024, **security)
     c.assign([KTP(topic, 0)])
     c.seek_to_beginning()
     out: list[tuple[int, Rec]] = []
@@ -107,11 +110,12 @@ def kafka_python_consume(bootstrap: str, topic: str, n: int, timeout: float = 60
     return out
 
 
-async def _aiokafka_produce(bootstrap: str, topic: str, recs: list[Rec], codec: str | None) -> list[int]:
+async def _aiokafka_produce(bootstrap: str, topic: str, recs: list[Rec], codec: str | None, **security: str
+                            ) -> list[int]:
     from aiokafka import AIOKafkaProducer
 
     p = AIOKafkaProducer(bootstrap_servers=bootstrap, compression_type=codec, linger_ms=5, acks="all",
-                         max_request_size=4 * 1024 * 1024)
+                         max_request_size=4 * 1024 * 1024, **security)
     await p.start()
     try:
         futs = [await p.send(topic, value=r.value, key=r.key, headers=list(r.headers), partition=0) for r in recs]
@@ -120,12 +124,13 @@ async def _aiokafka_produce(bootstrap: str, topic: str, recs: list[Rec], codec: 
         await p.stop()
 
 
-async def _aiokafka_consume(bootstrap: str, topic: str, n: int, wait_s: float) -> list[tuple[int, Rec]]:
+async def _aiokafka_consume(bootstrap: str, topic: str, n: int, wait_s: float, **security: str
+                            ) -> list[tuple[int, Rec]]:
     from aiokafka import AIOKafkaConsumer
     from aiokafka import TopicPartition as ATP
 
     c = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                         auto_offset_reset="earliest", max_partition_fetch_bytes=4 * 1024 * 1024)
+                         auto_offset_reset="earliest", max_partition_fetch_bytes=4 * 1024 * 1024, **security)
     await c.start()
     out: list[tuple[int, Rec]] = []
     try:
@@ -140,12 +145,13 @@ async def _aiokafka_consume(bootstrap: str, topic: str, n: int, wait_s: float) -
     return out
 
 
-def aiokafka_produce(bootstrap: str, topic: str, recs: list[Rec], codec: str | None) -> list[int]:
-    return asyncio.run(_aiokafka_produce(bootstrap, topic, recs, codec))
+def aiokafka_produce(bootstrap: str, topic: str, recs: list[Rec], codec: str | None, **security: str) -> list[int]:
+    return asyncio.run(_aiokafka_produce(bootstrap, topic, recs, codec, **security))
 
 
-def aiokafka_consume(bootstrap: str, topic: str, n: int, timeout: float = 60) -> list[tuple[int, Rec]]:
-    return asyncio.run(_aiokafka_consume(bootstrap, topic, n, timeout))
+def aiokafka_consume(bootstrap: str, topic: str, n: int, timeout: float = 60, **security: str
+                     ) -> list[tuple[int, Rec]]:
+    return asyncio.run(_aiokafka_consume(bootstrap, topic, n, timeout, **security))
 
 
 def kcat(*args: str, input: bytes | None = None, timeout: float = 60) -> bytes:

@@ -14,26 +14,6 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from tests.conftest import BrokerProcess
 
 
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate."""
-    d = tmp_path_factory.mktemp("certs")
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-            "-subj", "/CN=kafscale-test-ca", cwd=d)
-    exts = {"server": "subjectAltName=IP:127.0.0.1,DNS:localhost", "client": "extendedKeyUsage=clientAuth"}
-    for name, ext in exts.items():
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                "-subj", f"/CN={name}", cwd=d)
-        (d / f"{name}.ext").write_text(ext + "\n")
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
-    return d
-
-
 def tls_client(certs: Path, client_cert: bool = False) -> dict[str, str]:
     conf = {"security.protocol": "SSL", "ssl.ca.location": str(certs / "ca.pem")}
     if client_cert:
