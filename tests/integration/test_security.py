@@ -248,11 +248,12 @@ def test_acls_on_produce_fetch_groups_and_admin(make_broker, topic_name):
     # (librdkafka drops DescribeAcls' top-level error, so ask with a raw client)
     assert describe_acls_error(raw_sasl_plain(b.bootstrap, "carol")) == ErrorCode.CLUSTER_AUTHORIZATION_FAILED
 
-    # `kafscale acls` writes etcd directly; brokers pick it up within a second
+    # `kafscale acls` writes etcd directly; brokers pick it up within a second (all ACLs in one
+    # read, so once the topic ACL written last is visible, the group ACL written before it is too)
+    kafscale(b, "acls", "add", "--principal", "User:carol", "--operation", "read", "--group", "carol-", "--prefixed")
     out = kafscale(b, "acls", "add", "--principal", "User:carol", "--operation", "read", "--operation", "describe",
                    "--topic", orders)
     assert out.count("added:") == 2
-    kafscale(b, "acls", "add", "--principal", "User:carol", "--operation", "read", "--group", "carol-", "--prefixed")
     wait_for(lambda: orders in carol.list_topics(timeout=10).topics, 10, "carol's new Describe ACL")
     assert consume_errors(b.bootstrap, sasl("carol"), orders, "carol-1", False, 5) == (
         [b"m%d" % i for i in range(5)], set())
