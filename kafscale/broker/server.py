@@ -169,17 +169,14 @@ class KafkaServer:
                 if frame is None:
                     break
                 if session.raw_tokens:
+                    hdr = RequestHeader(SASL_AUTHENTICATE.key, 0, 0, None, False)
                     task = asyncio.create_task(self._raw_token(session, bytes(frame)))
-                    await queue.put((task, RequestHeader(SASL_AUTHENTICATE.key, 0, 0, None, False)))
-                    await asyncio.wait([task])
-                    if session.closing:
-                        break
-                    continue
-                hdr, body_at = parse_header(frame)
-                if not session.authenticated and hdr.api_key not in _BEFORE_AUTH:
-                    raise ProtocolViolation(f"{APIS[hdr.api_key].name} request before SASL authentication")
-                hdr.client_host, hdr.append_order, hdr.principal = client_host, append_order, session.principal
-                task = asyncio.create_task(self._handle(hdr, frame, body_at))
+                else:
+                    hdr, body_at = parse_header(frame)
+                    if not session.authenticated and hdr.api_key not in _BEFORE_AUTH:
+                        raise ProtocolViolation(f"{APIS[hdr.api_key].name} request before SASL authentication")
+                    hdr.client_host, hdr.append_order, hdr.principal = client_host, append_order, session.principal
+                    task = asyncio.create_task(self._handle(hdr, frame, body_at))
                 await queue.put((task, hdr))
                 if hdr.api_key in _SASL_APIS:
                     await asyncio.wait([task])  # the next request must see the outcome
@@ -256,38 +253,43 @@ class KafkaServer:
         session.raw_tokens = hdr.api_version == 0
         return {"error_code": 0, "mechanisms": offered}
 
-    async def _raw_token(self, session: Session, token: bytes) -> list[bytes] | None:
-        """One SASL token after a v0 handshake: answered bare; a failure just closes."""
+    @staticmethod
+    async def _sasl_step(session: Session, token: bytes) -> bytes:
+        """One token of the session's exchange; the session is authenticated once
+        it completes. SaslFailed (logged) marks the connection for closing."""
         assert session.exchange is not None
+        exchange = session.exchange
         try:
-            answer = await session.exchange.step(token)
+            answer = await exchange.step(token)
         except SaslFailed as exc:
             log.info("conn %d from %s: %s", session.conn, session.peer, exc)
             session.closing = True
+            raise
+        if exchange.principal is not None:
+            session.principal, session.authenticated, session.raw_tokens = exchange.principal, True, False
+            log.debug("conn %d from %s: authenticated as %s (%s)", session.conn, session.peer,
+                      exchange.principal, exchange.mechanism)
+        return answer
+
+    async def _raw_token(self, session: Session, token: bytes) -> list[bytes] | None:
+        """One SASL token after a v0 handshake: answered bare; a failure just closes."""
+        try:
+            answer = await self._sasl_step(session, token)
+        except SaslFailed:
             return None
-        if session.exchange.principal is not None:
-            session.principal, session.authenticated = session.exchange.principal, True
-            session.raw_tokens = False
         return [_SIZE.pack(len(answer)), answer]
 
     async def sasl_authenticate(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         session = SESSION.get()
-        exchange = session.exchange
-        if exchange is None or session.authenticated:
+        if session.exchange is None or session.authenticated:
             session.closing = True
             return {"error_code": ErrorCode.ILLEGAL_SASL_STATE, "error_message": "no SASL handshake in progress",
                     "auth_bytes": b""}
         try:
-            token = await exchange.step(bytes(req["auth_bytes"]))
+            token = await self._sasl_step(session, bytes(req["auth_bytes"]))
         except SaslFailed as exc:
-            log.info("conn %d from %s: %s", session.conn, session.peer, exc)
-            session.closing = True
             return {"error_code": ErrorCode.SASL_AUTHENTICATION_FAILED, "error_message": str(exc),
                     "auth_bytes": b""}
-        if exchange.principal is not None:
-            session.principal, session.authenticated = exchange.principal, True
-            log.debug("conn %d from %s: authenticated as %s (%s)", session.conn, session.peer,
-                      exchange.principal, exchange.mechanism)
         return {"error_code": 0, "error_message": None, "auth_bytes": token, "session_lifetime_ms": 0}
 
     async def _send_loop(self, queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestHeader] | None],

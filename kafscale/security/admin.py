@@ -96,18 +96,13 @@ def _show(a: AclBinding) -> str:
 
 
 async def _acls(meta: MetaStore, args: argparse.Namespace) -> int:
-    existing = await meta.list_acls()
-    if args.action == "ls":
-        ops = args.operation or [None]
-        for a in existing:
-            if any(a.matches_filter(_filter(args, op)) for op in ops):
-                print(_show(a))
-        return 0
-    if args.action == "rm":
-        gone = [a for a in existing if any(a.matches_filter(_filter(args, op)) for op in args.operation or [None])]
-        await meta.delete_acls(gone)
-        for a in gone:
-            print(f"removed: {_show(a)}")
+    if args.action in ("ls", "rm"):
+        filters = [_filter(args, op) for op in args.operation or [None]]
+        matching = [a for a in await meta.list_acls() if any(a.matches_filter(f) for f in filters)]
+        if args.action == "rm":
+            await meta.delete_acls(matching)
+        for a in matching:
+            print(f"removed: {_show(a)}" if args.action == "rm" else _show(a))
         return 0
     rtype, name = _resource(args)
     if name is None or not args.principal or not args.operation:
