@@ -53,6 +53,8 @@ class Config:
     cache_bytes: int = _opt(256 * 1024 * 1024, "shared-memory cache of recent segments that workers serve Fetch from")
     s3_timeout_s: int = _opt(30, "longest one attempt at uploading a segment may take before it is retried")
     readahead_bytes: int = _opt(16 * 1024 * 1024, "size of each ranged S3 GET (and read-ahead) for uncached segments")
+    readahead_memory_bytes: int = _opt(128 * 1024 * 1024, "S3 read-ahead memory per process, across all the "
+                                       "partitions it reads; when short, windows shrink and read-ahead waits")
     workers: int = _opt(0, "protocol worker processes (0: one per CPU core)")
     ring_bytes: int = _opt(64 * 1024 * 1024, "shared-memory produce buffer per worker; when full, produce gets "
                            "a retriable error (backpressure)")

@@ -25,7 +25,7 @@ from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import CLUSTER, AclBinding, Authorizer, Operation, ResourceType
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, PartitionLog
-from kafscale.storage.reader import SegmentSource
+from kafscale.storage.reader import ReadBudget, SegmentSource
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class Broker:
         self.store = store
         self.meta = meta
         self.cache = cache
+        self.read_budget = ReadBudget(cfg.readahead_memory_bytes)
         # told when a partition log commits a segment, moves its start or closes
         self.on_change: Callable[[PartitionLog, SegmentManifest | None], None] = lambda lg, m: None
         self.logs: dict[tuple[str, int], PartitionLog] = {}
@@ -236,7 +237,7 @@ class Broker:
             if not await self.meta.claim_owner(topic, p, self.cfg.node_id, self.lease):
                 owner = await self.meta.owner_of(topic, p)
                 raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} is still owned by broker {owner}")
-            lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache,
+            lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self.read_budget,
                               lambda lg, m: self.on_change(lg, m))
             meta = self.topics.get(topic)
             if meta is not None:

@@ -167,6 +167,9 @@ class SharedCache:
         ref = self.refs.get(key)
         return None if ref is None or ref.pos < self._oldest_valid() else ref
 
+    def holds(self, key: str) -> bool:
+        return self.ref(key) is not None
+
     def get(self, key: str) -> CachedSegment | None:
         ref = self.ref(key)
         if ref is None:

@@ -25,7 +25,7 @@ from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import AclBinding, Authorizer, Operation, ResourceType
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectStore
-from kafscale.storage.reader import LogError, LogReader
+from kafscale.storage.reader import LogError, LogReader, ReadBudget
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,9 @@ class _ViewCache:
         ON_SENT.get().append(lambda: self.reader.release(ref.pos))
         return seg
 
+    def holds(self, key: str) -> bool:
+        return key in self.refs
+
     def put(self, key: str, seg: CachedSegment) -> None:
         """Only the log process writes the shared cache."""
 
@@ -62,10 +65,11 @@ class PartitionView(LogReader):
     """What a worker knows of a partition its node owns: committed segments,
     watermarks and cache locations, kept current by the log process's events."""
 
-    def __init__(self, store: ObjectStore, cache: CacheReader, readahead: int, state: dict[str, Any]) -> None:
+    def __init__(self, store: ObjectStore, cache: CacheReader, readahead: int, budget: ReadBudget,
+                 state: dict[str, Any]) -> None:
         self.topic: str = state["topic"]
         self.view_cache = _ViewCache(cache)
-        super().__init__(store, self.view_cache, readahead)
+        super().__init__(store, self.view_cache, readahead, budget)
         self.set_segments([SegmentManifest(**m) for m in state["segments"]])
         self.view_cache.refs.update(state["cached"])
         self.hw, self.log_start = state["hw"], state["log_start"]
@@ -94,6 +98,7 @@ class Worker:
         self.store = ObjectStore.from_config(cfg)
         self.chan: Channel | None = None
         self.views: dict[tuple[str, int], PartitionView] = {}
+        self.read_budget = ReadBudget(cfg.readahead_memory_bytes)
         self.authz = Authorizer(cfg.authorizer, cfg.super_users, cfg.allow_everyone_if_no_acl_found)
         self.topic_ids: dict[bytes, str] = {}
         self._changed = asyncio.Event()
@@ -248,7 +253,8 @@ class Worker:
         self.topic_ids[reply["topic_id"]] = name
         view = self.views.get((name, p))  # another fetch may have opened it meanwhile
         if view is None:
-            view = self.views[(name, p)] = PartitionView(self.store, self.cache, self.cfg.readahead_bytes, reply)
+            view = self.views[(name, p)] = PartitionView(self.store, self.cache, self.cfg.readahead_bytes,
+                                                                self.read_budget, reply)
             for args in early:
                 if (args[0], args[1]) == (name, p) and (name, p) in self.views:
                     self._apply(view, *args)

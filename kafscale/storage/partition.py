@@ -22,7 +22,7 @@ from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentMa
 from kafscale.protocol.errors import ErrorCode
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectExists, ObjectStore
-from kafscale.storage.reader import LogError, LogReader, SegmentSource
+from kafscale.storage.reader import LogError, LogReader, ReadBudget, SegmentSource
 from kafscale.storage.segment import build_segment, index_key, segment_key
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,9 @@ class _ProducerState:
 
 class PartitionLog(LogReader):
     def __init__(self, topic: str, partition: int, cfg: Config, store: ObjectStore, meta: MetaStore,
-                 cache: SegmentSource, on_change: Callable[[PartitionLog, SegmentManifest | None], None]) -> None:
-        super().__init__(store, cache, cfg.readahead_bytes)
+                 cache: SegmentSource, budget: ReadBudget,
+                 on_change: Callable[[PartitionLog, SegmentManifest | None], None]) -> None:
+        super().__init__(store, cache, cfg.readahead_bytes, budget)
         self.topic = topic
         self.partition = partition
         self.cfg = cfg

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,40 +30,83 @@ class SegmentSource(Protocol):
 
     def get(self, key: str) -> CachedSegment | None: ...
 
+    def holds(self, key: str) -> bool: ...
+
     def put(self, key: str, seg: CachedSegment) -> None: ...
 
     def drop_prefix(self, prefix: str) -> None: ...
 
 
-@dataclass
+MIN_WINDOW = 1024 * 1024  # smallest ranged GET planned when read-ahead memory runs short
+AHEAD = 2  # windows read ahead of the one being served
+IDLE_S = 2.0  # a reader that has not read for this long gives its windows up to busier ones
+
+
+class ReadBudget:
+    """The memory one process may hold in read-ahead windows, across all the
+    partitions it reads from S3. A window that a Fetch is waiting for is always
+    read (smaller when memory is short); windows ahead of it only while they
+    fit, taking the windows of readers that went idle if need be."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._holders: set[LogReader] = set()  # readers holding windows
+
+    def available(self) -> int:
+        return self.limit - self.used
+
+    def reserve(self, reader: LogReader, n: int, force: bool) -> bool:
+        if self.used + n > self.limit:
+            now = asyncio.get_running_loop().time()
+            for other in sorted(self._holders, key=lambda r: r.last_read):
+                if self.used + n <= self.limit or now - other.last_read < IDLE_S:
+                    break
+                if other is not reader:
+                    other.stop_reading()
+        if self.used + n > self.limit and not force:
+            return False
+        self.used += n
+        self._holders.add(reader)
+        return True
+
+    def release(self, reader: LogReader, n: int) -> None:
+        self.used -= n
+        if not reader.windows:
+            self._holders.discard(reader)
+
+
+@dataclass(eq=False)
 class _Window:
-    """Whole batches of one segment read with one ranged GET: [start, start+len(data))."""
+    """Whole batches at bytes [start, end) of one segment, offsets [first, stop),
+    read with one ranged GET. Windows start and end where the segment's index
+    has an entry, so that windows ahead can be planned before the data arrives."""
     key: str
     start: int
-    seg: CachedSegment  # positions relative to `data`
-    last: int  # last offset held
+    end: int
+    first: int
+    stop: int
     at_end: bool  # the window reaches the end of the segment body
+    data: asyncio.Task[CachedSegment]
 
-    @property
-    def next_position(self) -> int:
-        return self.start + len(self.seg.data)
-
-    def covers(self, offset: int) -> bool:
-        return bool(self.seg.bases) and self.seg.bases[0] <= offset <= self.last
+    def covers(self, key: str, offset: int) -> bool:
+        return self.key == key and self.first <= offset < self.stop
 
 
 class LogReader:
-    def __init__(self, store: ObjectStore, cache: SegmentSource, readahead_bytes: int) -> None:
+    def __init__(self, store: ObjectStore, cache: SegmentSource, readahead_bytes: int, budget: ReadBudget) -> None:
         self.store = store
         self.cache = cache
         self.readahead_bytes = readahead_bytes
+        self.budget = budget
         self.hw = 0
         self.log_start = 0
         self.segments: list[SegmentManifest] = []
         self._bases: list[int] = []
         self._indexes: dict[str, SegmentIndex] = {}
-        self._window: _Window | None = None
-        self._next: tuple[str, int, asyncio.Task[_Window]] | None = None
+        self.windows: collections.deque[_Window] = collections.deque()  # in offset order
+        self._loading: dict[str, asyncio.Task[SegmentIndex]] = {}  # indexes being read ahead
+        self.last_read = 0.0
 
     def set_segments(self, segments: list[SegmentManifest]) -> None:
         self.segments = segments
@@ -79,17 +123,22 @@ class LogReader:
         self._bases = self._bases[n:]
 
     def stop_reading(self) -> None:
-        if self._next is not None:
-            self._next[2].cancel()
-        self._window = self._next = None
+        while self.windows:
+            self._drop(self.windows.popleft())
+
+    def _drop(self, w: _Window) -> None:
+        w.data.cancel()
+        self.budget.release(self, w.end - w.start)
 
     async def read(self, offset: int, max_bytes: int) -> list[memoryview | bytes]:
         """Committed batches from the one holding `offset`, across segments,
         whole batches only, up to max_bytes (but always at least one batch so
         that a record larger than max_bytes still makes progress). Empty at the
-        watermark; raises LogError(OFFSET_OUT_OF_RANGE) outside the log."""
+        watermark; raises LogError(OFFSET_OUT_OF_RANGE) outside the log.
+        After the first chunk, only data already at hand is added."""
         if offset < self.log_start or offset > self.hw:
             raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} outside [{self.log_start}, {self.hw}]")
+        self.last_read = asyncio.get_running_loop().time()
         out: list[memoryview | bytes] = []
         size = 0
         i = bisect.bisect_right(self._bases, offset) - 1
@@ -101,72 +150,139 @@ class LogReader:
                 i += 1
                 continue
             try:
-                chunk, to_end = await self._read_segment(i, offset, max_bytes - size)
+                got = await self._read_segment(i, offset, max_bytes - size, wait=not out)
             except Exception:
                 if offset < self.log_start:  # removed by retention while we read it
                     raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} was deleted") from None
                 raise
+            if got is None:
+                break
+            chunk, after = got
             if out and size + len(chunk) > max_bytes:
                 break
             out.append(chunk)
             size += len(chunk)
-            if not to_end:
+            if after is None:
                 break
-            offset, i = m.last + 1, i + 1
+            offset = after
         if offset >= self.hw:  # caught up: recent segments come from the cache, so let the windows go
             self.stop_reading()
         return out
 
-    async def _read_segment(self, i: int, offset: int, max_bytes: int) -> tuple[memoryview | bytes, bool]:
-        """Batches of segment i from `offset`; and whether they reach its end."""
+    async def _read_segment(self, i: int, offset: int, max_bytes: int, wait: bool
+                            ) -> tuple[memoryview | bytes, int | None] | None:
+        """Batches of segment i from `offset`, and the offset after them when
+        they reach the end of what was read at once (the segment, or a window);
+        None when not `wait` and the data is not at hand yet."""
         m = self.segments[i]
         seg = self.cache.get(m.key)
         if seg is not None:
             metrics.SEGMENT_READS.labels(metrics.node(), "cache").inc()
-            return seg.slice_from(offset, max_bytes)
+            chunk, to_end = seg.slice_from(offset, max_bytes)
+            return chunk, m.last + 1 if to_end else None
+        if not wait and not any(w.covers(m.key, offset) and w.data.done() for w in self.windows):
+            return None
         metrics.SEGMENT_READS.labels(metrics.node(), "s3").inc()
-        w = await self._window_for(m, offset)
-        chunk, to_window_end = w.seg.slice_from(offset, max_bytes)
-        if to_window_end or len(chunk) * 2 >= len(w.seg.data):
-            self._prefetch_after(w, i)
-        return chunk, to_window_end and w.at_end
+        while True:
+            w = await self._window_for(m, offset)
+            await asyncio.wait([w.data])  # another read may drop the window: do not inherit its cancellation
+            if not w.data.cancelled():
+                break
+        exc = w.data.exception()
+        if exc is not None:
+            self.stop_reading()
+            raise exc
+        chunk, to_end = w.data.result().slice_from(offset, max_bytes)
+        self._read_ahead()
+        return chunk, w.stop if to_end else None
 
     async def _window_for(self, m: SegmentManifest, offset: int) -> _Window:
-        w = self._window
-        if w is not None and w.key == m.key and w.covers(offset):
-            return w
-        if self._next is not None and self._next[0] == m.key:
-            # Another read of this view (another consumer) may cancel the
-            # prefetch while we wait: wait without inheriting its cancellation.
-            task = self._next[2]
-            await asyncio.wait([task])
-            if not task.cancelled() and task.exception() is None and task.result().covers(offset):
-                w = self._window = task.result()
-                if self._next is not None and self._next[2] is task:
-                    self._next = None
-                return w
-        idx = await self._index(m)
-        self._window = w = await self._fetch_window(m, idx.lookup(offset))
-        while not w.covers(offset) and not w.at_end:  # the index step held more than one window
-            self._window = w = await self._fetch_window(m, w.next_position)
+        """The window holding `offset` (windows before it are dropped); one is
+        planned and started if none is."""
+        while self.windows and not self.windows[0].covers(m.key, offset):
+            if any(w.covers(m.key, offset) for w in self.windows):
+                self._drop(self.windows.popleft())
+            else:
+                self.stop_reading()
+        if self.windows:
+            return self.windows[0]
+        idx = await self._index_for(m, offset)
+        if self.windows and self.windows[0].covers(m.key, offset):  # another read planned it meanwhile
+            return self.windows[0]
+        return self._demand(m, offset, idx)
+
+    def _demand(self, m: SegmentManifest, offset: int, idx: SegmentIndex | None) -> _Window:
+        """The window a Fetch waits for: read now, smaller if memory is short."""
+        self.stop_reading()
+        plan = self._plan(m, idx, offset, min(self.readahead_bytes, max(self.budget.available(), MIN_WINDOW)))
+        self.budget.reserve(self, plan[1] - plan[0], force=True)
+        w = self._open(m, plan)
+        self.windows.append(w)
         return w
 
-    def _prefetch_after(self, w: _Window, i: int) -> None:
-        """Start reading the window that follows `w` (in its segment or the next)."""
-        if w.at_end:
-            if i + 1 >= len(self.segments):
-                return
-            m, pos = self.segments[i + 1], HEADER_SIZE
-        else:
-            m, pos = self.segments[i], w.next_position
-        key = m.key
-        if self._next is not None and self._next[:2] == (key, pos):
-            return
-        if self._next is not None:
-            self._next[2].cancel()
-        task = asyncio.create_task(self._fetch_window(m, pos))
+    def _whole(self, m: SegmentManifest, offset: int) -> bool:
+        """Whether one window from the segment's start holds its body (no index needed)."""
+        return offset == m.base and m.size - FOOTER_SIZE - HEADER_SIZE <= self.readahead_bytes
+
+    async def _index_for(self, m: SegmentManifest, offset: int) -> SegmentIndex | None:
+        return None if self._whole(m, offset) else await self._index(m)
+
+    @staticmethod
+    def _plan(m: SegmentManifest, idx: SegmentIndex | None, offset: int, limit: int) -> tuple[int, int, int, int]:
+        """(start, end, first, stop) of the window from the indexed batch at or
+        before `offset`, as long as `limit` allows at index boundaries (at least
+        one index step); the whole body when there is no index."""
+        body_end = m.size - FOOTER_SIZE
+        if idx is None:
+            return HEADER_SIZE, body_end, m.base, m.last + 1
+        j = max(bisect.bisect_right(idx.offsets, offset) - 1, 0)
+        start = idx.positions[j]
+        k = max(bisect.bisect_right(idx.positions, start + limit) - 1, j + 1)
+        if body_end - start <= limit or k >= len(idx.positions):
+            return start, body_end, idx.offsets[j], m.last + 1
+        return start, idx.positions[k], idx.offsets[j], idx.offsets[k]
+
+    def _open(self, m: SegmentManifest, plan: tuple[int, int, int, int]) -> _Window:
+        start, end, first, stop = plan
+        task = asyncio.create_task(self._fetch(m, start, end))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        self._next = (key, pos, task)
+        return _Window(m.key, start, end, first, stop, end == m.size - FOOTER_SIZE, task)
+
+    def _read_ahead(self) -> None:
+        """Start the windows after the last one, up to AHEAD beyond the first,
+        while the budget lets them in. A segment whose index is needed and not
+        loaded yet gets it loaded first (this continues from there)."""
+        while 0 < len(self.windows) <= AHEAD:
+            last = self.windows[-1]
+            i = bisect.bisect_right(self._bases, last.first) - 1 + last.at_end
+            if i >= len(self.segments):
+                return
+            m = self.segments[i]
+            if self.cache.holds(m.key):  # recent segments: read from the cache when their turn comes
+                return
+            offset = m.base if last.at_end else last.stop
+            idx = None
+            if not self._whole(m, offset):
+                idx = self._indexes.get(m.key)
+                if idx is None:
+                    self._load_index(m)
+                    return
+            plan = self._plan(m, idx, offset, self.readahead_bytes)
+            if not self.budget.reserve(self, plan[1] - plan[0], force=False):
+                return
+            self.windows.append(self._open(m, plan))
+
+    def _load_index(self, m: SegmentManifest) -> None:
+        if m.key in self._loading:
+            return
+        task = self._loading[m.key] = asyncio.create_task(self._index(m))
+
+        def loaded(t: asyncio.Task[SegmentIndex]) -> None:
+            self._loading.pop(m.key, None)
+            if not t.cancelled() and t.exception() is None:
+                self._read_ahead()
+
+        task.add_done_callback(loaded)
 
     async def _index(self, m: SegmentManifest) -> SegmentIndex:
         idx = self._indexes.get(m.key)
@@ -174,21 +290,13 @@ class LogReader:
             idx = self._indexes[m.key] = parse_index(await self.store.get(index_key(m.key)))
         return idx
 
-    async def _fetch_window(self, m: SegmentManifest, start: int) -> _Window:
-        """One ranged GET of whole batches from byte `start` of the segment."""
-        body_end = m.size - FOOTER_SIZE
-        data = await self.store.get(m.key, start, min(start + self.readahead_bytes, body_end))
+    async def _fetch(self, m: SegmentManifest, start: int, end: int) -> CachedSegment:
+        """One ranged GET of the whole batches at bytes [start, end) of a segment."""
+        data = await self.store.get(m.key, start, end)
         infos = _native.scan_batches(data, partial=True)
-        if not infos:  # one batch larger than the window: read exactly to its end
-            need = int.from_bytes(data[8:12], "big") + _native.LOG_OVERHEAD
-            data = await self.store.get(m.key, start, min(start + need, body_end))
-            infos = _native.scan_batches(data, partial=True)
-        if not infos:
-            raise LogError(ErrorCode.CORRUPT_MESSAGE, f"{m.key}: no whole batch at byte {start}")
-        end = infos[-1].position + infos[-1].size
-        view = memoryview(data)[:end]
-        seg = CachedSegment(view, [b.base_offset for b in infos], [b.position for b in infos], body_end=end)
-        return _Window(m.key, start, seg, infos[-1].last_offset, start + end >= body_end)
+        if not infos or infos[-1].position + infos[-1].size != len(data):
+            raise LogError(ErrorCode.CORRUPT_MESSAGE, f"{m.key}: bytes {start}-{end} are not whole batches")
+        return CachedSegment(data, [b.base_offset for b in infos], [b.position for b in infos], body_end=len(data))
 
     async def whole(self, m: SegmentManifest) -> CachedSegment:
         """The whole segment, from the cache or with one GET (then cached)."""
