@@ -1,10 +1,13 @@
 """An HTTP proxy in front of the real S3 server that records each request's
-method and path, so that a test can count which objects a reader GETs."""
+method and path, so that a test can count which objects a reader GETs, and
+when each request was forwarded, so that a test can see which overlapped
+(`delay` holds every request back that long, as a slow store would)."""
 from __future__ import annotations
 
 import contextlib
 import socket
 import threading
+import time
 from urllib.parse import unquote, urlsplit
 
 from kafscale.devstack import free_port
@@ -15,6 +18,8 @@ class S3RequestLog:
         self.target_port = target_port
         self.port = free_port()
         self.requests: list[tuple[str, str]] = []  # (method, path without the query)
+        self.timeline: list[tuple[str, str, float, float]] = []  # (method, target, forwarding began, ended)
+        self.delay = 0.0
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", self.port))
         threading.Thread(target=self._accept_loop, daemon=True).start()
@@ -26,11 +31,24 @@ class S3RequestLog:
     def clear(self) -> None:
         with self._lock:
             self.requests.clear()
+            self.timeline.clear()
 
     def gets(self, suffix: str) -> list[str]:
         """Object keys (bucket/key) fetched with GET whose name ends with suffix."""
         with self._lock:
             return [p.lstrip("/") for m, p in self.requests if m == "GET" and p.endswith(suffix)]
+
+    def most_at_once(self, method: str, query: str) -> int:
+        """The most requests with this method and query parameter forwarded at
+        the same time."""
+        with self._lock:
+            spans = [(t0, t1) for m, target, t0, t1 in self.timeline if m == method and query in target]
+        edges = sorted([(t0, 1) for t0, _ in spans] + [(t1, -1) for _, t1 in spans])
+        most = now = 0
+        for _, step in edges:
+            now += step
+            most = max(most, now)
+        return most
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -60,8 +78,10 @@ class S3RequestLog:
                 lines = head.decode("latin-1").split("\r\n")
                 method, target = lines[0].split(" ")[:2]
                 headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+                began = time.monotonic()
                 with self._lock:
                     self.requests.append((method, unquote(urlsplit(target).path)))
+                time.sleep(self.delay)
                 dst.sendall(head + b"\r\n\r\n")
                 left = int(headers.get("content-length", "0"))
                 while left > 0:
@@ -72,6 +92,8 @@ class S3RequestLog:
                     chunk, buf = buf[:left], buf[left:]
                     dst.sendall(chunk)
                     left -= len(chunk)
+                with self._lock:
+                    self.timeline.append((method, target, began, time.monotonic()))
         except OSError:
             pass
         finally:
