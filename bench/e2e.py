@@ -7,10 +7,12 @@
 3. broker produce records/s with 100-byte records;
 4. acks=all latency of single records at a low rate (histogram, p99), against
    linger + 2 x the 64 KiB PUT p99;
-5. consume catch-up from a freshly started broker (cold cache) against raw
-   S3 GET MB/s of the same segment objects, the peak memory of the broker's
-   processes meanwhile, and the same read again from the warm cache (what the
-   client itself can take on this machine);
+5. consume catch-up from a freshly started broker (cold cache, all from S3)
+   against raw S3 GET MB/s of the same segment objects, with the CPU each
+   process used meanwhile (SeaweedFS, broker, consumer) and the peak memory
+   of the broker's processes; and the same topic consumed from the shared
+   segment cache of the broker that produced it (what this client can take
+   through the broker on this machine when S3 is not involved);
 
 and prints each broker figure as a ratio of its baseline.
 
@@ -69,6 +71,41 @@ async def raw_get_mbps(stack: DevStack, prefix: str) -> float:
         for k in keys:
             total += len(await store.get(k))
         return total / (time.perf_counter() - t0) / (1 << 20)
+
+
+class CpuMeter:
+    """CPU cores each named process (and this one, "bench client") used
+    between entering and leaving the block."""
+
+    def __init__(self, pids: dict[str, list[int]]) -> None:
+        self.pids = pids
+        self.cores: dict[str, float] = {}
+
+    @staticmethod
+    def _seconds(pids: list[int]) -> float:
+        total = 0
+        for pid in pids:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def _snapshot(self) -> dict[str, float]:
+        own = os.times()
+        return {**{name: self._seconds(pids) for name, pids in self.pids.items()},
+                "bench client": own.user + own.system, "wall": time.perf_counter()}
+
+    def __enter__(self) -> CpuMeter:
+        self._start = self._snapshot()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = self._snapshot()
+        wall = end.pop("wall") - self._start["wall"]
+        self.cores = {name: (v - self._start[name]) / wall for name, v in end.items()}
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{name} {c:.2f}" for name, c in self.cores.items())
+        return f"{parts} (total {sum(self.cores.values()):.2f})"
 
 
 def start_broker(stack: DevStack, logdir: Path, cluster: str, **cfg: str) -> tuple[subprocess.Popen, str]:
@@ -155,11 +192,22 @@ def consume_mbps(bootstrap: str, topic: str, partitions: int) -> tuple[float, in
     return total / elapsed / (1 << 20), sum(ends.values())
 
 
+def broker_children(supervisor: int) -> list[int]:
+    """The log process, then the workers."""
+    return sorted(map(int, Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()))
+
+
+def node_cpu(weed: int, supervisor: int) -> CpuMeter:
+    """A CpuMeter over SeaweedFS and the broker's processes."""
+    log_process, *workers = broker_children(supervisor)
+    return CpuMeter({"SeaweedFS": [weed], "broker workers": workers, "log process": [log_process]})
+
+
 def broker_peak_rss(supervisor: int) -> dict[int, int]:
     """Peak resident memory (VmHWM, MiB) of each of the broker's processes;
     shared-memory pages count in every process that touched them."""
     out = {}
-    for pid in [supervisor, *map(int, Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split())]:
+    for pid in [supervisor, *broker_children(supervisor)]:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 out[pid] = int(line.split()[1]) >> 10
@@ -196,31 +244,38 @@ def main() -> None:
         try:
             raw, put_lat = asyncio.run(raw_put_mbps(stack, args.mib))
             produced: dict[int, float] = {}
+            weed = stack.procs[1].pid
             for workers in sorted({args.workers, 1}, reverse=True):
                 cluster = f"bench{uuid.uuid4().hex[:6]}"
+                cache = (args.mib + min(args.mib, 64) + 64) << 20  # every topic of this run stays cached
                 proc, bootstrap = start_broker(stack, Path(tmp), cluster, workers=str(workers),
-                                               linger_ms=str(linger_ms))
+                                               linger_ms=str(linger_ms), cache_bytes=str(cache))
                 try:
                     admin = AdminClient({"bootstrap.servers": bootstrap})
                     for t in ("bench1k", "bench100", "latency"):
                         admin.create_topics([NewTopic(t, args.partitions, 1)])[t].result(30)
-                    secs, n = produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
+                    with node_cpu(weed, proc.pid) as cpu:
+                        secs, n = produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
                     produced[workers] = n * 1024 / secs / (1 << 20)
                     if workers != args.workers:
                         continue
+                    produce_cpu = cpu
                     mbps, n1k = produced[workers], n
                     secs100, n100 = produce(bootstrap, "bench100", args.partitions, 100, min(args.mib, 64) << 20)
                     lat = latencies(bootstrap, "latency")
+                    with node_cpu(weed, proc.pid) as cached_cpu:
+                        cached, _ = consume_mbps(bootstrap, "bench1k", args.partitions)
                 finally:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(60)
                 if workers == args.workers:  # a fresh broker: nothing of bench1k is in its cache
-                    get = asyncio.run(raw_get_mbps(stack, f"{cluster}/bench1k/"))
+                    with CpuMeter({"SeaweedFS": [weed]}) as get_cpu:
+                        get = asyncio.run(raw_get_mbps(stack, f"{cluster}/bench1k/"))
                     proc, bootstrap = start_broker(stack, Path(tmp), cluster, workers=str(workers))
                     try:
-                        cold, _ = consume_mbps(bootstrap, "bench1k", args.partitions)
+                        with node_cpu(weed, proc.pid) as cold_cpu:
+                            cold, _ = consume_mbps(bootstrap, "bench1k", args.partitions)
                         peak_rss = broker_peak_rss(proc.pid)
-                        warm, _ = consume_mbps(bootstrap, "bench1k", args.partitions)
                     finally:
                         proc.send_signal(signal.SIGTERM)
                         proc.wait(60)
@@ -232,6 +287,7 @@ def main() -> None:
     print(f"broker produce 1 KiB records, acks=all:  {mbps:8.1f} MiB/s  ({n1k} records, {args.partitions} "
           f"partition(s), {args.workers} workers)")
     print(f"ratio broker / raw PUT:                  {mbps / raw:8.2f}")
+    print(f"  CPU cores used, produce: {produce_cpu}")
     mbps100 = n100 * 100 / secs100 / (1 << 20)
     print(f"broker produce 100 B records, acks=all:  {n100 / secs100:8.0f} records/s "
           f"({mbps100:.1f} MiB/s, ratio to raw PUT {mbps100 / raw:.2f})")
@@ -244,8 +300,11 @@ def main() -> None:
     print(histogram(lat))
     print(f"consume catch-up, cold cache:            {cold:8.1f} MiB/s  vs raw S3 GET {get:.1f} MiB/s "
           f"= {cold / get:.2f}")
-    print(f"consume again, same broker (warm):       {warm:8.1f} MiB/s  (the client's ceiling here); "
-          f"cold / warm = {cold / warm:.2f}")
+    print(f"  CPU cores used, raw GET: {get_cpu}")
+    print(f"  CPU cores used, catch-up: {cold_cpu}")
+    print(f"consume from the broker's segment cache: {cached:8.1f} MiB/s  (no S3: this client's ceiling "
+          f"through the broker); cold / cached = {cold / cached:.2f}")
+    print(f"  CPU cores used, consume from the cache: {cached_cpu}")
     print(f"broker peak RSS while catching up on {args.mib} MiB: "
           + ", ".join(f"{mib} MiB" for mib in peak_rss.values()) + " (supervisor, log process, workers)")
 
