@@ -151,10 +151,13 @@ class LogReader:
                 continue
             try:
                 got = await self._read_segment(i, offset, max_bytes - size, wait=not out)
-            except Exception:
+            except Exception as exc:
                 if offset < self.log_start:  # removed by retention while we read it
                     raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} was deleted") from None
-                raise
+                if isinstance(exc, LogError):
+                    raise
+                # S3 failed: a retriable error for this partition, not a closed connection
+                raise LogError(ErrorCode.KAFKA_STORAGE_ERROR, f"reading {m.key}: {exc!r}") from exc
             if got is None:
                 break
             chunk, after = got
@@ -255,7 +258,7 @@ class LogReader:
         while 0 < len(self.windows) <= AHEAD:
             last = self.windows[-1]
             i = bisect.bisect_right(self._bases, last.first) - 1 + last.at_end
-            if i >= len(self.segments):
+            if not 0 <= i < len(self.segments):
                 return
             m = self.segments[i]
             if self.cache.holds(m.key):  # recent segments: read from the cache when their turn comes

@@ -13,12 +13,13 @@ from confluent_kafka import Producer
 
 from kafscale import _native
 from kafscale.protocol.errors import ErrorCode
-from tests.integration.clients import confluent_consume, create_topic
+from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 from tests.integration.rawclient import RawClient
 from tests.integration.relay import Relay
 from tests.integration.test_bad_input import produce_raw
 from tests.integration.test_cluster import Stream, check_all_acked_present
 from tests.integration.test_groups import wait_for
+from tests.integration.test_topics_offsets import fetch_raw
 
 
 def test_killed_worker_is_replaced_under_load(make_broker, topic_name):
@@ -63,6 +64,31 @@ def idempotent_producer(bootstrap: str) -> tuple[Producer, dict[int, bytes], lis
     p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5,
                   "message.timeout.ms": 120000, "on_delivery": cb})
     return p, acked, errors
+
+
+def test_fetch_from_s3_while_s3_is_down_gets_a_retriable_error(make_broker, stack, topic_name):
+    """A consumer catching up from S3 during an outage gets KAFKA_STORAGE_ERROR
+    for that partition on a connection that stays open, and its records once
+    S3 is back."""
+    relay = Relay(stack.s3_port)
+    try:
+        b = make_broker(workers=1, s3_endpoint=relay.url)
+        create_topic(b.bootstrap, topic_name)
+        confluent_produce(b.bootstrap, topic_name, [Rec(None, b"v%d" % i) for i in range(50)])
+        b.stop()
+        b.start()  # an empty cache: reads go to S3
+        relay.cut()
+        c = RawClient(b.bootstrap, timeout=60)
+        r = fetch_raw(c, topic_name, 0, max_wait_ms=100)
+        assert r["error_code"] == ErrorCode.KAFKA_STORAGE_ERROR and len(r["records"] or b"") == 0
+        relay.restore()
+        r = fetch_raw(c, topic_name, 0, max_wait_ms=100)  # the same connection
+        assert r["error_code"] == 0
+        batches = _native.scan_batches(bytes(r["records"]))
+        assert sum(x.record_count for x in batches) == 50
+        c.close()
+    finally:
+        relay.close()
 
 
 def test_s3_outage_backpressure_then_recovery(make_broker, stack, topic_name):

@@ -11,7 +11,8 @@ import pytest
 
 from kafscale import _native
 from kafscale.metadata.store import SegmentManifest
-from kafscale.storage.reader import LogReader, ReadBudget
+from kafscale.protocol.errors import ErrorCode
+from kafscale.storage.reader import LogError, LogReader, ReadBudget
 from kafscale.storage.segment import FOOTER_SIZE, build_segment, index_key, parse_index
 
 
@@ -141,8 +142,9 @@ def test_a_failed_get_fails_that_fetch_and_the_next_one_reads_again():
         store = HeldStore()
         r = log_of(store, 1, ReadBudget(64 << 20), 16 << 10)
         store.fail = 1
-        with pytest.raises(ConnectionError):
+        with pytest.raises(LogError) as failed:
             await r.read(0, 1 << 20)
+        assert failed.value.code == ErrorCode.KAFKA_STORAGE_ERROR  # retriable, for that partition only
         assert not r.windows and r.budget.used == 0
         assert offsets(await r.read(0, 1 << 10))[0] == 0
 
