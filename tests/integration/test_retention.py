@@ -9,6 +9,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from kafscale.protocol.errors import ErrorCode
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 from tests.integration.rawclient import RawClient
+from tests.integration.test_groups import wait_for
 from tests.integration.test_topics_offsets import etcd_keys, fetch_raw, s3_keys
 
 
@@ -43,8 +44,9 @@ def test_retention_bytes(make_broker, topic_name, stack):
     # (an earlier pass, while they were still being produced, may have stopped at 6)
     lo = wait_for_log_start(b.bootstrap, topic_name, 7)
     assert lo == 7
-    kept = [k for k in s3_keys(stack, f"{b.cluster}/{topic_name}/0/") if k.endswith(".kfs")]
-    assert len(kept) == 10 - lo
+    # the log start moves first; the segments below it are deleted right after
+    wait_for(lambda: len([k for k in s3_keys(stack, f"{b.cluster}/{topic_name}/0/") if k.endswith(".kfs")])
+             == 10 - lo, 30, "the segments below the log start to be deleted from S3")
     manifests = [k for k in etcd_keys(stack, f"/kafscale/{b.cluster}/segments/{topic_name}/0/")]
     assert len(manifests) == 10 - lo
     # below the log start: OFFSET_OUT_OF_RANGE; a consumer with auto.offset.reset=earliest lands on lo
