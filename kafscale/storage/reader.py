@@ -1,6 +1,7 @@
 """Reading one partition's committed batches: from the segment cache when the
-segment is there, otherwise from S3 with ranged GETs located through the
-segment's index, a read-ahead window at a time.
+segment is there, otherwise from S3 in windows of whole batches (ranged GETs
+that start and end on the segment's index entries), with the next windows
+read ahead within a per-process memory budget (ReadBudget).
 
 The log process's PartitionLog and a protocol worker's PartitionView both
 read through this class; they differ only in how `segments`, `hw` and
