@@ -40,6 +40,8 @@ class SegmentSource(Protocol):
 
 MIN_WINDOW = 1024 * 1024  # smallest ranged GET planned when read-ahead memory runs short
 AHEAD = 2  # windows read ahead of the one being served
+CURSORS = 4  # places in one partition read from at once (consumers at different offsets), each with its windows
+CURSOR_IDLE_S = 30.0  # a place not read from for this long is given up (its consumer went away or moved)
 IDLE_S = 2.0  # a reader that has not read for this long gives its windows up to busier ones
 
 
@@ -73,7 +75,7 @@ class ReadBudget:
 
     def release(self, reader: LogReader, n: int) -> None:
         self.used -= n
-        if not reader.windows:
+        if not any(reader.cursors):
             self._holders.discard(reader)
 
 
@@ -94,6 +96,15 @@ class _Window:
         return self.key == key and self.first <= offset < self.stop
 
 
+class _Cursor(collections.deque[_Window]):
+    """Consecutive windows at one place in a partition being read (by one
+    consumer, as far as the broker can tell). Compared by identity."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+    last_read = 0.0
+
+
 class LogReader:
     def __init__(self, store: ObjectStore, cache: SegmentSource, readahead_bytes: int, budget: ReadBudget) -> None:
         self.store = store
@@ -105,7 +116,8 @@ class LogReader:
         self.segments: list[SegmentManifest] = []
         self._bases: list[int] = []
         self._indexes: dict[str, SegmentIndex] = {}
-        self.windows: collections.deque[_Window] = collections.deque()  # in offset order
+        # one deque of consecutive windows per place being read, least recently read first
+        self.cursors: list[_Cursor] = []
         self._loading: dict[str, asyncio.Task[SegmentIndex]] = {}  # indexes being read ahead
         self.last_read = 0.0
 
@@ -124,8 +136,13 @@ class LogReader:
         self._bases = self._bases[n:]
 
     def stop_reading(self) -> None:
-        while self.windows:
-            self._drop(self.windows.popleft())
+        while self.cursors:
+            self._drop_cursor(self.cursors[0])
+
+    def _drop_cursor(self, cursor: _Cursor) -> None:
+        self.cursors.remove(cursor)
+        while cursor:
+            self._drop(cursor.popleft())
 
     def _drop(self, w: _Window) -> None:
         w.data.cancel()
@@ -139,9 +156,12 @@ class LogReader:
         After the first chunk, only data already at hand is added."""
         if offset < self.log_start or offset > self.hw:
             raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} outside [{self.log_start}, {self.hw}]")
-        self.last_read = asyncio.get_running_loop().time()
+        self.last_read = now = asyncio.get_running_loop().time()
+        for stale in [c for c in self.cursors if now - c.last_read >= CURSOR_IDLE_S]:
+            self._drop_cursor(stale)
         out: list[memoryview | bytes] = []
         size = 0
+        cursor = None
         i = bisect.bisect_right(self._bases, offset) - 1
         if i < 0 and offset < self.hw:
             raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} precedes every segment")
@@ -161,7 +181,7 @@ class LogReader:
                 raise LogError(ErrorCode.KAFKA_STORAGE_ERROR, f"reading {m.key}: {exc!r}") from exc
             if got is None:
                 break
-            chunk, after = got
+            chunk, after, cursor = got
             if out and size + len(chunk) > max_bytes:
                 break
             out.append(chunk)
@@ -169,26 +189,27 @@ class LogReader:
             if after is None:
                 break
             offset = after
-        if offset >= self.hw:  # caught up: recent segments come from the cache, so let the windows go
-            self.stop_reading()
+        if offset >= self.hw and cursor in self.cursors:  # caught up: recent segments come from the cache
+            self._drop_cursor(cursor)
         return out
 
     async def _read_segment(self, i: int, offset: int, max_bytes: int, wait: bool
-                            ) -> tuple[memoryview | bytes, int | None] | None:
-        """Batches of segment i from `offset`, and the offset after them when
-        they reach the end of what was read at once (the segment, or a window);
-        None when not `wait` and the data is not at hand yet."""
+                            ) -> tuple[memoryview | bytes, int | None, _Cursor | None] | None:
+        """Batches of segment i from `offset`; the offset after them when they
+        reach the end of what was read at once (the segment, or a window); and
+        the cursor they came from (None: the cache). None when not `wait` and
+        the data is not at hand yet."""
         m = self.segments[i]
         seg = self.cache.get(m.key)
         if seg is not None:
             metrics.SEGMENT_READS.labels(metrics.node(), "cache").inc()
             chunk, to_end = seg.slice_from(offset, max_bytes)
-            return chunk, m.last + 1 if to_end else None
-        if not wait and not any(w.covers(m.key, offset) and w.data.done() for w in self.windows):
+            return chunk, m.last + 1 if to_end else None, None
+        if not wait and not any(w.covers(m.key, offset) and w.data.done() for c in self.cursors for w in c):
             return None
         metrics.SEGMENT_READS.labels(metrics.node(), "s3").inc()
         while True:
-            w = await self._window_for(m, offset)
+            cursor, w = await self._window_for(m, offset)
             await asyncio.wait([w.data])  # another read may drop the window: do not inherit its cancellation
             if not w.data.cancelled():
                 break
@@ -197,32 +218,50 @@ class LogReader:
             self.stop_reading()
             raise exc
         chunk, to_end = w.data.result().slice_from(offset, max_bytes)
-        self._read_ahead()
-        return chunk, w.stop if to_end else None
+        if cursor in self.cursors:
+            self._read_ahead(cursor)
+        return chunk, w.stop if to_end else None, cursor
 
-    async def _window_for(self, m: SegmentManifest, offset: int) -> _Window:
-        """The window holding `offset` (windows before it are dropped); one is
-        planned and started if none is."""
-        while self.windows and not self.windows[0].covers(m.key, offset):
-            if any(w.covers(m.key, offset) for w in self.windows):
-                self._drop(self.windows.popleft())
-            else:
-                self.stop_reading()
-        if self.windows:
-            return self.windows[0]
-        idx = await self._index_for(m, offset)
-        if self.windows and self.windows[0].covers(m.key, offset):  # another read planned it meanwhile
-            return self.windows[0]
-        return self._demand(m, offset, idx)
+    def _cursor_at(self, m: SegmentManifest, offset: int) -> tuple[_Cursor, _Window] | None:
+        """The cursor whose windows span `offset`, with the windows before the one
+        holding it dropped (a cursor read to its end is dropped); the cursor
+        becomes the most recently read."""
+        for cursor in self.cursors:
+            if cursor[0].first <= offset <= cursor[-1].stop:
+                while cursor and not cursor[0].covers(m.key, offset):
+                    self._drop(cursor.popleft())
+                self.cursors.remove(cursor)
+                if not cursor:
+                    return None
+                self.cursors.append(cursor)
+                cursor.last_read = self.last_read
+                return cursor, cursor[0]
+        return None
 
-    def _demand(self, m: SegmentManifest, offset: int, idx: SegmentIndex | None) -> _Window:
-        """The window a Fetch waits for: read now, smaller if memory is short."""
-        self.stop_reading()
+    async def _window_for(self, m: SegmentManifest, offset: int) -> tuple[_Cursor, _Window]:
+        """The window holding `offset` and its cursor; a new cursor with a
+        window planned and started if no cursor reaches `offset`."""
+        found = self._cursor_at(m, offset)
+        if found is None:
+            idx = await self._index_for(m, offset)
+            found = self._cursor_at(m, offset)  # another read may have planned it meanwhile
+            if found is None:
+                return self._demand(m, offset, idx)
+        return found
+
+    def _demand(self, m: SegmentManifest, offset: int, idx: SegmentIndex | None
+                ) -> tuple[_Cursor, _Window]:
+        """A new cursor whose first window a Fetch waits for: read now, smaller
+        if memory is short. The least recently read cursor makes room."""
+        if len(self.cursors) >= CURSORS:
+            self._drop_cursor(self.cursors[0])
         plan = self._plan(m, idx, offset, min(self.readahead_bytes, max(self.budget.available(), MIN_WINDOW)))
         self.budget.reserve(self, plan[1] - plan[0], force=True)
         w = self._open(m, plan)
-        self.windows.append(w)
-        return w
+        cursor = _Cursor([w])
+        cursor.last_read = self.last_read
+        self.cursors.append(cursor)
+        return cursor, w
 
     def _whole(self, m: SegmentManifest, offset: int) -> bool:
         """Whether one window from the segment's start holds its body (no index needed)."""
@@ -252,12 +291,12 @@ class LogReader:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return _Window(m.key, start, end, first, stop, end == m.size - FOOTER_SIZE, task)
 
-    def _read_ahead(self) -> None:
-        """Start the windows after the last one, up to AHEAD beyond the first,
-        while the budget lets them in. A segment whose index is needed and not
-        loaded yet gets it loaded first (this continues from there)."""
-        while 0 < len(self.windows) <= AHEAD:
-            last = self.windows[-1]
+    def _read_ahead(self, cursor: _Cursor) -> None:
+        """Start the windows after a cursor's last one, up to AHEAD beyond its
+        first, while the budget lets them in. A segment whose index is needed
+        and not loaded yet gets it loaded first (this continues from there)."""
+        while 0 < len(cursor) <= AHEAD and cursor in self.cursors:
+            last = cursor[-1]
             i = bisect.bisect_right(self._bases, last.first) - 1 + last.at_end
             if not 0 <= i < len(self.segments):
                 return
@@ -269,14 +308,14 @@ class LogReader:
             if not self._whole(m, offset):
                 idx = self._indexes.get(m.key)
                 if idx is None:
-                    self._load_index(m)
+                    self._load_index(m, cursor)
                     return
             plan = self._plan(m, idx, offset, self.readahead_bytes)
             if not self.budget.reserve(self, plan[1] - plan[0], force=False):
                 return
-            self.windows.append(self._open(m, plan))
+            cursor.append(self._open(m, plan))
 
-    def _load_index(self, m: SegmentManifest) -> None:
+    def _load_index(self, m: SegmentManifest, cursor: _Cursor) -> None:
         if m.key in self._loading:
             return
         task = self._loading[m.key] = asyncio.create_task(self._index(m))
@@ -284,7 +323,7 @@ class LogReader:
         def loaded(t: asyncio.Task[SegmentIndex]) -> None:
             self._loading.pop(m.key, None)
             if not t.cancelled() and t.exception() is None:
-                self._read_ahead()
+                self._read_ahead(cursor)
 
         task.add_done_callback(loaded)
 

@@ -5,7 +5,6 @@ back or fail, to force one interleaving deterministically)."""
 from __future__ import annotations
 
 import asyncio
-import collections
 
 import pytest
 
@@ -112,7 +111,7 @@ def test_windows_follow_the_index_and_a_read_continues_into_windows_already_read
             assert end in index_entries[index_key(key)] or end == len(store.objects[key]) - FOOTER_SIZE
             assert end - start <= 16 << 10
         assert len(ranges) == len(set(ranges))  # nothing read twice
-        assert r.windows == collections.deque() and r.budget.used == 0  # caught up: windows let go
+        assert r.cursors == [] and r.budget.used == 0  # caught up: windows let go
 
     asyncio.run(run())
 
@@ -124,13 +123,14 @@ def test_read_ahead_stays_within_the_budget_and_idle_readers_give_theirs_up():
         a, b = log_of(store, 2, budget, 16 << 10), log_of(store, 2, budget, 16 << 10)
         await a.read(0, 1 << 10)
         await asyncio.sleep(0)
-        assert budget.used == sum(w.end - w.start for w in a.windows) <= 48 << 10
-        assert len(a.windows) == 3  # the window being read and two ahead
+        [ca] = a.cursors
+        assert budget.used == sum(w.end - w.start for w in ca) <= 48 << 10
+        assert len(ca) == 3  # the window being read and two ahead
         await b.read(0, 1 << 10)  # the budget is spent: b gets a window it waits for, none ahead
-        assert len(b.windows) == 1 and budget.used <= (48 << 10) + (16 << 10)
+        assert [len(c) for c in b.cursors] == [1] and budget.used <= (48 << 10) + (16 << 10)
         a.last_read -= 10  # a has gone idle: b's next read-ahead takes a's windows
         await b.read(offsets(await b.read(0, 1 << 10))[-1] + 1, 1 << 10)
-        assert not a.windows and len(b.windows) == 3 and budget.used <= 48 << 10
+        assert not a.cursors and [len(c) for c in b.cursors] == [3] and budget.used <= 48 << 10
         b.stop_reading()
         assert budget.used == 0
 
@@ -145,7 +145,26 @@ def test_a_failed_get_fails_that_fetch_and_the_next_one_reads_again():
         with pytest.raises(LogError) as failed:
             await r.read(0, 1 << 20)
         assert failed.value.code == ErrorCode.KAFKA_STORAGE_ERROR  # retriable, for that partition only
-        assert not r.windows and r.budget.used == 0
+        assert not r.cursors and r.budget.used == 0
         assert offsets(await r.read(0, 1 << 10))[0] == 0
+
+    asyncio.run(run())
+
+
+def test_consumers_at_different_offsets_keep_their_own_read_ahead():
+    async def run() -> None:
+        store = HeldStore()
+        r = log_of(store, 3, ReadBudget(64 << 20), 16 << 10)
+        at = {"early": 0, "late": 120}
+        while at["early"] < 120 or at["late"] < 240:  # two consumers take turns, one fetch of ~4 KiB each
+            for name, end in (("early", 120), ("late", 240)):
+                if at[name] < end:
+                    got = offsets(await r.read(at[name], 4 << 10))
+                    assert got[0] == at[name]
+                    at[name] = got[-1] + 1
+                    await asyncio.sleep(0)
+        ranges = [(k, a, b) for k, a, b in store.gets if k.endswith(".kfs")]
+        assert len(ranges) == len(set(ranges))  # neither consumer made the other read anything twice
+        assert len(r.cursors) <= 1  # the late one reached the end and let its windows go
 
     asyncio.run(run())
