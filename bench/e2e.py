@@ -12,8 +12,10 @@
    against raw S3 GET MB/s of the same segment objects, with the CPU each
    process used meanwhile (SeaweedFS, broker, consumer) and the peak memory
    of the broker's processes; and the same topic consumed from the shared
-   segment cache of the broker that produced it (what this client can take
-   through the broker on this machine when S3 is not involved);
+   segment cache of the broker that produced it (what the client can take
+   through the broker on this machine when S3 is not involved). Both with
+   two librdkafka consumers: kcat (C) and confluent-kafka (Python, which
+   makes an object of every record and so needs several times the CPU);
 
 and prints each broker figure as a ratio of its baseline.
 
@@ -30,8 +32,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+import aioboto3
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -72,19 +76,26 @@ async def put_latencies(stack: DevStack) -> list[float]:
 
 
 async def raw_get_mbps(stack: DevStack, prefix: str) -> float:
-    """MiB/s of sequential whole-object GETs of every segment under prefix."""
-    async with _store(stack) as store:
+    """MiB/s of sequential whole-object GETs of every segment under prefix,
+    with aioboto3: one GET at a time it is faster than botocore's blocking
+    client, which the broker reads with (measured here: about 690 against 570
+    MiB/s), so the baseline is the faster of the two."""
+    session = aioboto3.Session(aws_access_key_id=DEV_ACCESS_KEY, aws_secret_access_key=DEV_SECRET_KEY,
+                               region_name="us-east-1")
+    async with _store(stack) as store, session.client("s3", endpoint_url=stack.s3_endpoint) as s3:
         keys = [o["Key"] for o in await store.list(prefix) if o["Key"].endswith(".kfs")]
         t0 = time.perf_counter()
         total = 0
         for k in keys:
-            total += len(await store.get(k))
+            r = await s3.get_object(Bucket=stack.bucket, Key=k)
+            async with r["Body"] as body:
+                total += len(await body.read())
         return total / (time.perf_counter() - t0) / (1 << 20)
 
 
 class CpuMeter:
-    """CPU cores each named process (and this one, "bench client") used
-    between entering and leaving the block."""
+    """CPU cores each named process (and this one with the children it waited
+    for, "bench client") used between entering and leaving the block."""
 
     def __init__(self, pids: dict[str, list[int]]) -> None:
         self.pids = pids
@@ -101,7 +112,8 @@ class CpuMeter:
     def _snapshot(self) -> dict[str, float]:
         own = os.times()
         return {**{name: self._seconds(pids) for name, pids in self.pids.items()},
-                "bench client": own.user + own.system, "wall": time.perf_counter()}
+                "bench client": own.user + own.system + own.children_user + own.children_system,
+                "wall": time.perf_counter()}
 
     def __enter__(self) -> CpuMeter:
         self._start = self._snapshot()
@@ -181,8 +193,25 @@ def latencies(bootstrap: str, topic: str, n: int = 500, gap_s: float = 0.01) -> 
     return sorted(out)
 
 
+def kcat_consume_mbps(bootstrap: str, topic: str, records: int) -> float:
+    """MiB/s of values of reading the first `records` records of a topic
+    from the beginning with kcat (librdkafka in C), started and timed as a whole."""
+    # -c: stop at the last record (-e would wait out one empty long-poll Fetch, 500 ms); librdkafka 2.0 has no
+    # fetch.queue.backoff.ms: a large local queue and a short backoff keep it from pausing when the queue fills
+    t0 = time.perf_counter()
+    out = subprocess.run(["kcat", "-C", "-b", bootstrap, "-t", topic, "-o", "beginning", "-c", str(records),
+                          "-q", "-f", "%S\n", "-X", f"fetch.max.bytes={64 << 20}",
+                          "-X", f"fetch.message.max.bytes={16 << 20}", "-X", "queued.max.messages.kbytes=1048576",
+                          "-X", "fetch.error.backoff.ms=5"], capture_output=True, check=True, timeout=600)
+    elapsed = time.perf_counter() - t0
+    sizes = out.stdout.split()
+    if len(sizes) != records:
+        raise RuntimeError(f"kcat read {len(sizes)} records, not {records}")
+    return sum(map(int, sizes)) / elapsed / (1 << 20)
+
+
 def consume_mbps(bootstrap: str, topic: str, partitions: int) -> tuple[float, int]:
-    """MiB/s of reading a whole topic from the beginning with librdkafka."""
+    """MiB/s of reading a whole topic from the beginning with confluent-kafka."""
     # librdkafka pauses fetching for fetch.queue.backoff.ms (default 1 s) whenever its local queue is full,
     # which a broker serving from memory fills: a short backoff keeps that pause from dominating the figure
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench", "enable.auto.commit": False,
@@ -201,6 +230,12 @@ def consume_mbps(bootstrap: str, topic: str, partitions: int) -> tuple[float, in
     elapsed = time.perf_counter() - t0
     c.close()
     return total / elapsed / (1 << 20), sum(ends.values())
+
+
+def consumers(topic: str, partitions: int, records: int) -> dict[str, Callable[[str], float]]:
+    """The clients every read of the topic is measured with: name -> (bootstrap -> MiB/s)."""
+    return {"kcat": lambda bs: kcat_consume_mbps(bs, topic, records),
+            "confluent-kafka": lambda bs: consume_mbps(bs, topic, partitions)[0]}
 
 
 def broker_children(supervisor: int) -> list[int]:
@@ -258,6 +293,8 @@ def main() -> None:
             put_lat = asyncio.run(put_latencies(stack))
             produced: dict[int, float] = {}
             rounds: list[tuple[float, float, CpuMeter]] = []  # raw PUT MiB/s, broker MiB/s, CPU during the latter
+            cached: dict[str, tuple[float, CpuMeter]] = {}  # consumer: MiB/s, CPU
+            cold: dict[str, tuple[float, float, CpuMeter, CpuMeter]] = {}  # consumer: MiB/s, raw GET MiB/s, CPUs
             weed = stack.procs[1].pid
             for workers in sorted({args.workers, 1}, reverse=True):
                 cluster = f"bench{uuid.uuid4().hex[:6]}"
@@ -281,18 +318,21 @@ def main() -> None:
                     produced[workers] = mbps
                     secs100, n100 = produce(bootstrap, "bench100", args.partitions, 100, min(args.mib, 64) << 20)
                     lat = latencies(bootstrap, "latency")
-                    with node_cpu(weed, proc.pid) as cached_cpu:
-                        cached, _ = consume_mbps(bootstrap, "bench1k", args.partitions)
+                    readers = consumers("bench1k", args.partitions, args.rounds * n1k)
+                    for name, consume in readers.items():
+                        with node_cpu(weed, proc.pid) as cpu:
+                            cached[name] = consume(bootstrap), cpu
                 finally:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(60)
-                if workers == args.workers:  # a fresh broker: nothing of bench1k is in its cache
+                for name, consume in readers.items() if workers == args.workers else ():
                     with CpuMeter({"SeaweedFS": [weed]}) as get_cpu:
                         get = asyncio.run(raw_get_mbps(stack, f"{cluster}/bench1k/"))
+                    # a fresh broker for each consumer: nothing of bench1k is in its cache
                     proc, bootstrap = start_broker(stack, Path(tmp), cluster, workers=str(workers))
                     try:
-                        with node_cpu(weed, proc.pid) as cold_cpu:
-                            cold, _ = consume_mbps(bootstrap, "bench1k", args.partitions)
+                        with node_cpu(weed, proc.pid) as cpu:
+                            cold[name] = consume(bootstrap), get, cpu, get_cpu
                         peak_rss = broker_peak_rss(proc.pid)
                     finally:
                         proc.send_signal(signal.SIGTERM)
@@ -316,13 +356,13 @@ def main() -> None:
     print(f"acks=all latency, single 1 KiB records: p50 {pct(lat, 0.5) * 1000:.1f} ms  p99 {pct(lat, 0.99) * 1000:.1f}"
           f" ms  (bound linger + 2 x PUT p99 = {bound * 1000:.1f} ms; p99 / bound = {pct(lat, 0.99) / bound:.2f})")
     print(histogram(lat))
-    print(f"consume catch-up, cold cache:            {cold:8.1f} MiB/s  vs raw S3 GET {get:.1f} MiB/s "
-          f"= {cold / get:.2f}")
-    print(f"  CPU cores used, raw GET: {get_cpu}")
-    print(f"  CPU cores used, catch-up: {cold_cpu}")
-    print(f"consume from the broker's segment cache: {cached:8.1f} MiB/s  (no S3: this client's ceiling "
-          f"through the broker); cold / cached = {cold / cached:.2f}")
-    print(f"  CPU cores used, consume from the cache: {cached_cpu}")
+    for name, (c_mbps, c_get, c_cpu, g_cpu) in cold.items():
+        print(f"consume catch-up, cold cache, {name}: {c_mbps:.1f} MiB/s vs raw S3 GET {c_get:.1f} MiB/s (just "
+              f"before) = {c_mbps / c_get:.2f}\n  CPU cores used, raw GET: {g_cpu}\n"
+              f"  CPU cores used, catch-up: {c_cpu}")
+    for name, (c_mbps, c_cpu) in cached.items():
+        print(f"consume from the broker's segment cache, {name}: {c_mbps:.1f} MiB/s (no S3: this client's ceiling "
+              f"through the broker); cold / cached = {cold[name][0] / c_mbps:.2f}\n  CPU cores used: {c_cpu}")
     print(f"broker peak RSS while catching up on {args.mib} MiB: "
           + ", ".join(f"{mib} MiB" for mib in peak_rss.values()) + " (supervisor, log process, workers)")
 

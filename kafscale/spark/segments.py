@@ -20,7 +20,7 @@ import pyarrow as pa
 from kafscale import _native
 from kafscale.config import Config
 from kafscale.metadata.store import MetaStore, SegmentManifest
-from kafscale.storage.objectstore import ObjectStore
+from kafscale.storage.objectstore import ObjectStore, sync_client
 from kafscale.storage.segment import FOOTER, FOOTER_SIZE, HEADER_SIZE, index_key, parse_index
 
 EARLIEST, LATEST = -2, -1  # Kafka's special offsets in startingOffsets / endingOffsets
@@ -241,15 +241,9 @@ async def _cut(store: ObjectStore, topic: str, s: Segment, start: int, end: int,
 
 @functools.lru_cache(maxsize=4)
 def _sync_client(opts: StoreOptions) -> Any:
-    """One boto3 S3 client per store for the life of the process: a Spark
+    """One blocking S3 client per store for the life of the process: a Spark
     Python worker runs many tasks, and making a client costs more than a GET."""
-    import boto3
-    from botocore.config import Config as BotoConfig
-
-    return boto3.client("s3", endpoint_url=opts.endpoint, region_name=opts.region or "us-east-1",
-                        aws_access_key_id=opts.access_key, aws_secret_access_key=opts.secret_key,
-                        config=BotoConfig(s3={"addressing_style": "path"}, retries={"max_attempts": 5,
-                                                                                     "mode": "standard"}))
+    return sync_client(opts.endpoint, opts.region, opts.access_key, opts.secret_key, attempts=5)
 
 
 def read_slice(opts: StoreOptions, sl: Slice) -> bytes:
