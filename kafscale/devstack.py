@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +151,7 @@ class DevStack:
         _wait_port(self.s3_port, proc, "SeaweedFS S3", logfile)
 
     def _ensure_bucket(self, timeout: float = 90) -> None:
-        import boto3
-        from botocore.config import Config as BotoConfig
-
-        s3 = boto3.client("s3", endpoint_url=self.s3_endpoint, aws_access_key_id=DEV_ACCESS_KEY,
-                          aws_secret_access_key=DEV_SECRET_KEY, region_name="us-east-1",
-                          config=BotoConfig(retries={"max_attempts": 1}))
+        s3 = self.s3_client(attempts=1)
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         while time.monotonic() < deadline:
@@ -183,6 +179,12 @@ class DevStack:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+    def s3_client(self, attempts: int = 3) -> Any:
+        """A blocking botocore client of this stack's S3 server."""
+        from kafscale.storage.objectstore import sync_client
+
+        return sync_client(self.s3_endpoint, None, DEV_ACCESS_KEY, DEV_SECRET_KEY, attempts=attempts)
 
     def broker_env(self) -> dict[str, str]:
         """Environment that points a broker at this stack."""

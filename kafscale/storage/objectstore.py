@@ -32,15 +32,19 @@ MIN_PART = 5 * 1024 * 1024
 READ_THREADS = 16  # GETs in flight at once per store (each process has one store)
 
 
+def _boto_config(pool: int, attempts: int) -> BotoConfig:
+    """The settings of every S3 client, blocking or asyncio."""
+    return BotoConfig(max_pool_connections=pool, retries={"max_attempts": attempts, "mode": "standard"},
+                      s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=10)
+
+
 def sync_client(endpoint: str | None, region: str | None, access_key: str | None, secret_key: str | None,
                 pool: int = 10, attempts: int = 3) -> Any:
     """A blocking botocore S3 client (thread-safe); credentials left empty come
     from the AWS default chain."""
-    cfg = BotoConfig(max_pool_connections=pool, retries={"max_attempts": attempts, "mode": "standard"},
-                     s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=10)
     return botocore.session.get_session().create_client(
         "s3", endpoint_url=endpoint, region_name=region or "us-east-1", aws_access_key_id=access_key,
-        aws_secret_access_key=secret_key, config=cfg)
+        aws_secret_access_key=secret_key, config=_boto_config(pool, attempts))
 
 
 class ObjectExists(Exception):
@@ -73,10 +77,8 @@ class ObjectStore:
                    cfg.s3_secret_key or None, multipart_threshold=cfg.multipart_threshold)
 
     async def start(self) -> None:
-        cfg = BotoConfig(max_pool_connections=64, retries={"max_attempts": 3, "mode": "standard"},
-                         s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=10)
         self._client = await self._stack.enter_async_context(
-            self._session.client("s3", endpoint_url=self.endpoint, config=cfg))
+            self._session.client("s3", endpoint_url=self.endpoint, config=_boto_config(64, 3)))
         self._reader = sync_client(self.endpoint, self._region, *self._credentials, pool=READ_THREADS)
         self._read_pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="s3-get")
 

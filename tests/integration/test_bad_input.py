@@ -7,11 +7,9 @@ import os
 import struct
 import uuid
 
-import boto3
 import pytest
 
 from kafscale import _native
-from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.schemas import API_VERSIONS, LIST_OFFSETS, METADATA, PRODUCE
 from tests.conftest import BrokerProcess
@@ -58,9 +56,7 @@ def latest_offset(c: RawClient, topic: str) -> int:
 
 
 def segment_objects(stack, b, topic: str) -> list[str]:
-    s3 = boto3.client("s3", endpoint_url=stack.s3_endpoint, aws_access_key_id=DEV_ACCESS_KEY,
-                      aws_secret_access_key=DEV_SECRET_KEY, region_name="us-east-1")
-    r = s3.list_objects_v2(Bucket=stack.bucket, Prefix=f"{b.cluster}/{topic}/")
+    r = stack.s3_client().list_objects_v2(Bucket=stack.bucket, Prefix=f"{b.cluster}/{topic}/")
     return [o["Key"] for o in r.get("Contents", [])]
 
 

@@ -64,9 +64,7 @@ def test_leftover_of_a_crashed_owner_is_ignored(make_broker, topic_name, stack):
     """A crash between S3 upload and etcd commit leaves an object at the next
     base offset under the dead owner's epoch; the next owner writes under its
     own epoch, and readers follow the manifests in etcd."""
-    import boto3
 
-    from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
     from kafscale.storage.segment import segment_key
     from tests.integration.clients import Rec, confluent_produce
 
@@ -75,8 +73,7 @@ def test_leftover_of_a_crashed_owner_is_ignored(make_broker, topic_name, stack):
     first = [Rec(b"k", f"a{i}".encode()) for i in range(10)]
     assert confluent_produce(b.bootstrap, topic_name, first) == list(range(10))
     b.kill()
-    s3 = boto3.client("s3", endpoint_url=stack.s3_endpoint, aws_access_key_id=DEV_ACCESS_KEY,
-                      aws_secret_access_key=DEV_SECRET_KEY, region_name="us-east-1")
+    s3 = stack.s3_client()
     leftover = segment_key(b.cluster, topic_name, 0, 10, 1)  # epoch 1: the killed broker's
     s3.put_object(Bucket=stack.bucket, Key=leftover, Body=b"uncommitted junk")
     b.start()

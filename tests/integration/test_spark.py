@@ -81,21 +81,14 @@ def test_reads_every_record_with_mixed_codecs(spark, broker, topic_name):
     assert codecs_seen == set(CODECS), "every codec reached the segments"
 
 
-def s3_client(broker):
-    import boto3
-
-    return boto3.client("s3", endpoint_url=broker.stack.s3_endpoint, aws_access_key_id=DEV_ACCESS_KEY,
-                        aws_secret_access_key=DEV_SECRET_KEY, region_name="us-east-1")
-
-
 def segment_keys(broker, topic: str) -> list[str]:
-    pages = s3_client(broker).get_paginator("list_objects_v2").paginate(Bucket=broker.stack.bucket,
+    pages = broker.stack.s3_client().get_paginator("list_objects_v2").paginate(Bucket=broker.stack.bucket,
                                                                          Prefix=f"{broker.cluster}/{topic}/")
     return sorted(o["Key"] for page in pages for o in page.get("Contents", []) if o["Key"].endswith(".kfs"))
 
 
 def get_object(broker, key: str) -> bytes:
-    return s3_client(broker).get_object(Bucket=broker.stack.bucket, Key=key)["Body"].read()
+    return broker.stack.s3_client().get_object(Bucket=broker.stack.bucket, Key=key)["Body"].read()
 
 
 def produce_rounds(broker, topic: str, rounds: int, per_round: int) -> list[list[int]]:

@@ -10,13 +10,11 @@ import threading
 import time
 
 import aetcd
-import boto3
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from kafscale import _native
-from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import decode_response, encode_request
 from kafscale.protocol.schemas import CREATE_TOPICS, FETCH, LIST_OFFSETS, PRODUCE
@@ -25,9 +23,7 @@ from tests.integration.rawclient import RawClient
 
 
 def s3_keys(stack, prefix: str) -> list[str]:
-    s3 = boto3.client("s3", endpoint_url=stack.s3_endpoint, aws_access_key_id=DEV_ACCESS_KEY,
-                      aws_secret_access_key=DEV_SECRET_KEY, region_name="us-east-1")
-    return [o["Key"] for o in s3.list_objects_v2(Bucket=stack.bucket, Prefix=prefix).get("Contents", [])]
+    return [o["Key"] for o in stack.s3_client().list_objects_v2(Bucket=stack.bucket, Prefix=prefix).get("Contents", [])]
 
 
 def etcd_keys(stack, prefix: str) -> list[bytes]:
