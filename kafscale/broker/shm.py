@@ -18,11 +18,21 @@ serving (one u64 per worker slot) until the response has been handed to the
 socket; the log process never overwrites a pinned position (it skips caching
 that segment instead). Both sides publish first and then check the other
 side, with sequentially consistent atomics, so one of them always sees the
-other (Dekker's handshake)."""
+other (Dekker's handshake).
+
+Every process faults the whole mapping in when it starts (`populate`). A
+page touched for the first time costs a fault (and zeroing, for the first
+process); a fork does not copy a shared mapping's page tables, so each
+process pays again. Before this, the log process copied segments into the
+cache at 1-2.5 GiB/s instead of 8 on the bench machine, until every page had
+been touched once. Populating also makes a node that lacks the memory fail
+at start, not under load."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import mmap
+import sys
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -33,6 +43,7 @@ NONE = 2**64 - 1
 _RING_HEADER = 64  # head u64 at 0 (worker), tail u64 at 8 (log process)
 _HEAD, _TAIL = 0, 8
 _RESERVE = 0  # cache header: end of the newest (being) written segment
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap has no name for it
 
 
 def _align(n: int) -> int:
@@ -55,6 +66,12 @@ class SharedArea:
         self.cache_mem = mem[ring_total:]
         for slot in range(slots):
             _native.atomic_store(self.cache_mem, 64 + 8 * slot, NONE)
+
+    def populate(self) -> None:
+        """Map every page into this process now rather than at first use."""
+        if sys.platform == "linux":
+            with contextlib.suppress(OSError):  # kernels before 5.14: pages fault in on first use
+                self._map.madvise(_MADV_POPULATE_WRITE)
 
 
 class Ring:

@@ -28,7 +28,23 @@ from kafscale.config import Config
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 STARTUP_FAILED = 2
+
+
+def _tune_malloc() -> None:
+    """Keep segment-sized buffers (built segments, produce requests, GET
+    windows: up to 32 MiB) on the heap and let the heap keep up to 128 MiB
+    free, so freed buffers are reused rather than handed back to the kernel
+    and faulted in page by page (zeroed) the next time. With glibc's dynamic
+    defaults the log process took about one fault for every 8 KiB produced.
+    Forked children inherit the setting. Not glibc (musl): nothing to do."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    mallopt(_M_TRIM_THRESHOLD, 128 << 20)
 
 
 def _in_child(role: str) -> None:
@@ -130,6 +146,7 @@ class _Node:
 
         def main(fd: int) -> None:
             metrics.init_process(self.cfg.node_id, "log", self.metrics_dir)
+            self.area.populate()
             asyncio.run(run_log_process(self.cfg, self.area, self.socket_path, fd))
 
         self.log_pid, ready = _fork(f"log {self.cfg.node_id}", main)
@@ -138,6 +155,7 @@ class _Node:
     def start_worker(self, slot: int, wait: bool) -> int | None:
         def main(fd: int) -> None:
             metrics.init_process(self.cfg.node_id, str(slot), self.metrics_dir)
+            self.area.populate()
             asyncio.run(_worker_main(self.cfg, self.area, slot, self.socket_path, fd))
 
         pid, ready = _fork(f"worker {self.cfg.node_id}.{slot}", main)
@@ -172,6 +190,7 @@ def _listen_port_free(cfg: Config) -> None:
 def run_nodes(cfgs: list[Config]) -> int:
     """Run the nodes until SIGINT/SIGTERM; the process exit code."""
     nodes: list[_Node] = []
+    _tune_malloc()
     try:
         for cfg in cfgs:
             _listen_port_free(cfg)
