@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LogError", "PartitionLog"]
 
-MAX_FLUSHES = 4  # segments of one partition uploading at once (bounds memory to 4 segments)
+MAX_UPLOADS = 4  # segments of one partition uploading at once
+MAX_UNCOMMITTED = 8  # segments of one partition built and not yet committed (bounds its memory)
 
 
 @dataclass
@@ -78,7 +79,8 @@ class PartitionLog(LogReader):
         self._idle.set()
         self._flusher: asyncio.Task[None] | None = None
         self._flushes: set[asyncio.Task[None]] = set()  # segments being uploaded or committed
-        self._flush_slots = asyncio.Semaphore(MAX_FLUSHES)
+        self._upload_slots = asyncio.Semaphore(MAX_UPLOADS)
+        self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
         self._producers: dict[int, _ProducerState] = {}
         self.closed = False
         self._on_change = on_change  # a segment committed (with it), the log start moved or the log closed
@@ -173,9 +175,13 @@ class PartitionLog(LogReader):
         return None
 
     async def _flush_loop(self) -> None:
-        """Cut segments from the queue. Up to MAX_FLUSHES segments upload at
+        """Cut segments from the queue. Up to MAX_UPLOADS segments upload at
         once; each commits to etcd only after the one before it, so the high
-        watermark and the acknowledgements still move in offset order."""
+        watermark and the acknowledgements still move in offset order. A
+        segment gives its upload slot up when its upload ends, not when it
+        commits: one slow PUT (SeaweedFS stalls for about a second each time
+        it fills a volume) then holds back the commits behind it but not the
+        uploads, up to MAX_UNCOMMITTED segments."""
         prev: asyncio.Task[None] | None = None
         while True:
             await self._wake.wait()
@@ -183,7 +189,8 @@ class PartitionLog(LogReader):
                 wait = self._first_pending_at + self.cfg.linger_ms / 1000 - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
-            await self._flush_slots.acquire()
+            await self._uncommitted.acquire()
+            await self._upload_slots.acquire()
             take, size = [], 0
             for p in self._pending:
                 if take and size + len(p.payload) > self.segment_bytes:
@@ -202,7 +209,7 @@ class PartitionLog(LogReader):
 
     def _flush_done(self, task: asyncio.Task[None]) -> None:
         self._flushes.discard(task)
-        self._flush_slots.release()
+        self._uncommitted.release()
         exc = None if task.cancelled() else task.exception()
         if exc is not None and not self.closed:  # fenced (or a bug): nothing queued here can become durable
             log.log(logging.WARNING if isinstance(exc, Fenced) else logging.ERROR,
@@ -242,15 +249,18 @@ class PartitionLog(LogReader):
                 delay = min(delay * 2, 2.0)
 
     async def _flush(self, items: list[_Pending], prev: asyncio.Task[None] | None) -> None:
-        seg = build_segment([(p.payload, p.base) for p in items], int(time.time() * 1000))
-        for p in items:
-            p.done_with_payload()
-        key = segment_key(self.cfg.namespace, self.topic, self.partition, seg.base_offset, self.epoch)
-        metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(seg.data))
-        manifest = SegmentManifest(seg.base_offset, seg.last_offset, seg.count, len(seg.data), seg.min_timestamp,
-                                   seg.max_timestamp, key, int(time.time() * 1000))
-        await self._retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, seg.data, seg.index),
-                                                                       self.cfg.s3_timeout_s))
+        try:  # holds an upload slot (taken by _flush_loop) until the upload ends
+            seg = build_segment([(p.payload, p.base) for p in items], int(time.time() * 1000))
+            for p in items:
+                p.done_with_payload()
+            key = segment_key(self.cfg.namespace, self.topic, self.partition, seg.base_offset, self.epoch)
+            metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(seg.data))
+            manifest = SegmentManifest(seg.base_offset, seg.last_offset, seg.count, len(seg.data),
+                                       seg.min_timestamp, seg.max_timestamp, key, int(time.time() * 1000))
+            await self._retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, seg.data, seg.index),
+                                                                           self.cfg.s3_timeout_s))
+        finally:
+            self._upload_slots.release()
         if prev is not None:
             await asyncio.wait([prev])  # commit in offset order
             if prev.cancelled() or prev.exception() is not None:
