@@ -2,9 +2,10 @@
 
 1. the PUT latency of 64 KiB objects;
 2. --rounds times, alternately: raw S3 PUT MB/s (8 MiB objects, one PUT at a
-   time, aioboto3: the baseline) and broker produce MB/s (librdkafka producer,
-   acks=all, 1 KiB records, --workers workers); the median ratio counts, since
-   this store's speed drifts within a run; and once with 1 worker (scaling);
+   time, with the client the broker writes with: the baseline) and broker
+   produce MB/s (librdkafka producer, acks=all, 1 KiB records, --workers
+   workers); the median ratio counts, since this store's speed drifts within
+   a run; and once with 1 worker (scaling);
 3. broker produce records/s with 100-byte records;
 4. acks=all latency of single records at a low rate (histogram, p99), against
    linger + 2 x the 64 KiB PUT p99;
