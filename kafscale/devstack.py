@@ -143,7 +143,10 @@ class DevStack:
                 f"-s3.port={self.s3_port}", f"-s3.port.grpc={p['g_s3']}",
                 f"-s3.port.iceberg={p['iceberg']}", f"-s3.port.lance={p['lance']}",
                 f"-admin.port={p['admin']}", f"-admin.port.grpc={p['g_admin']}", "-admin.ui=false",
-                "-webdav=false", f"-metricsPort={p['metrics']}", "-master.volumeSizeLimitMB=256"]
+                "-webdav=false", f"-metricsPort={p['metrics']}",
+                # writes stall for about a second each time the volumes fill and new ones grow: 1 GiB volumes
+                # (files grow as written, nothing is preallocated) make that a quarter as often as 256 MiB ones
+                "-master.volumeSizeLimitMB=1024"]
         out = open(logfile, "ab")
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env_free,
                                 start_new_session=True, preexec_fn=_die_with_parent)
