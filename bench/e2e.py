@@ -10,7 +10,12 @@
    after a broker started was often the slowest of its run;
 3. broker produce records/s with 100-byte records;
 4. acks=all latency of single records at a low rate (histogram, p99), against
-   linger + 2 x the 64 KiB PUT p99;
+   linger + 2 x the 64 KiB PUT p99, after writing the data of the earlier
+   steps back to disk (os.sync()): SeaweedFS writes through the page cache,
+   and when the kernel writes back the gigabytes of the earlier steps
+   during this one, etcd's WAL fsyncs on the same disk wait tens to hundreds
+   of milliseconds behind them (seen here: acks=all p99 62 and 431 ms, with
+   etcd commits of up to 290 ms);
 5. consume catch-up from a freshly started broker (cold cache, all from S3)
    against raw S3 GET MB/s of the same segment objects, with the CPU each
    process used meanwhile (SeaweedFS, broker, consumer) and the peak memory
@@ -321,6 +326,11 @@ def main() -> None:
                     raw, mbps, _ = sorted(rounds, key=lambda r: r[1] / r[0])[len(rounds) // 2]
                     produced[workers] = mbps
                     secs100, n100 = produce(bootstrap, "bench100", args.partitions, 100, min(args.mib, 64) << 20)
+                    # the store's files and etcd's WAL share this disk: the gigabytes written so far would be
+                    # written back meanwhile, and etcd's fsyncs (one per segment committed) wait behind them
+                    t_sync = time.perf_counter()
+                    os.sync()
+                    sync_s = time.perf_counter() - t_sync
                     lat = latencies(bootstrap, "latency")
                     readers = consumers("bench1k", args.partitions, args.rounds * n1k)
                     for name, consume in readers.items():
@@ -360,6 +370,7 @@ def main() -> None:
     print(f"acks=all latency, single 1 KiB records: p50 {pct(lat, 0.5) * 1000:.1f} ms  p99 {pct(lat, 0.99) * 1000:.1f}"
           f" ms  (bound linger + 2 x PUT p99 = {bound * 1000:.1f} ms; p99 / bound = {pct(lat, 0.99) / bound:.2f})")
     print(histogram(lat))
+    print(f"  (measured after writing back the data written so far to disk: os.sync() took {sync_s:.1f} s)")
     for name, (c_mbps, c_get, c_cpu, g_cpu) in cold.items():
         print(f"consume catch-up, cold cache, {name}: {c_mbps:.1f} MiB/s vs raw S3 GET {c_get:.1f} MiB/s (just "
               f"before) = {c_mbps / c_get:.2f}\n  CPU cores used, raw GET: {g_cpu}\n"
