@@ -89,6 +89,10 @@ class DevStack:
     etcd_port: int = 0
     s3_port: int = 0
     bucket: str = "kafscale"
+    # writes stall each time SeaweedFS's volumes fill and new ones grow (about a quarter second for one PUT at
+    # a time, longer for several): 1 GiB volumes (files grow as written, nothing is preallocated) make that a
+    # quarter as often as 256 MiB ones; SeaweedFS sizes its volume count as free disk / this
+    volume_mib: int = 1024
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _tmp: str | None = None
 
@@ -144,9 +148,7 @@ class DevStack:
                 f"-s3.port.iceberg={p['iceberg']}", f"-s3.port.lance={p['lance']}",
                 f"-admin.port={p['admin']}", f"-admin.port.grpc={p['g_admin']}", "-admin.ui=false",
                 "-webdav=false", f"-metricsPort={p['metrics']}",
-                # writes stall for about a second each time the volumes fill and new ones grow: 1 GiB volumes
-                # (files grow as written, nothing is preallocated) make that a quarter as often as 256 MiB ones
-                "-master.volumeSizeLimitMB=1024"]
+                f"-master.volumeSizeLimitMB={self.volume_mib}"]
         out = open(logfile, "ab")
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env_free,
                                 start_new_session=True, preexec_fn=_die_with_parent)
