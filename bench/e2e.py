@@ -72,11 +72,12 @@ async def raw_put_mbps(stack: DevStack, total_mib: int, object_mib: int = 8) -> 
 
 
 async def put_latencies(stack: DevStack) -> list[float]:
-    """Sorted latencies of 200 sequential PUTs of 64 KiB."""
+    """Sorted latencies of 1000 sequential PUTs of 64 KiB: with 200 the p99
+    was the second largest, and ranged from 4.9 to 9.6 ms over seven runs."""
     data = os.urandom(64 << 10)
     out = []
     async with _store(stack) as store:
-        for i in range(200):
+        for i in range(1000):
             t = time.perf_counter()
             await store.put(f"bench/small-{uuid.uuid4()}-{i}", data)
             out.append(time.perf_counter() - t)
