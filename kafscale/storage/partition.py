@@ -179,9 +179,10 @@ class PartitionLog(LogReader):
         once; each commits to etcd only after the one before it, so the high
         watermark and the acknowledgements still move in offset order. A
         segment gives its upload slot up when its upload ends, not when it
-        commits: one slow PUT (SeaweedFS stalls for about a second each time
-        it fills a volume) then holds back the commits behind it but not the
-        uploads, up to MAX_UNCOMMITTED segments."""
+        commits: one slow PUT (SeaweedFS stalls writes each time it fills a
+        volume, for over a second with several PUTs in flight) then holds back
+        the commits behind it but not the uploads, up to MAX_UNCOMMITTED
+        segments."""
         prev: asyncio.Task[None] | None = None
         while True:
             await self._wake.wait()
