@@ -21,6 +21,7 @@ from kafscale._native.core import (
     iter_records,
     patch_batch,
     scan_batches,
+    set_max_timestamp,
     validate_batches,
 )
 
@@ -46,5 +47,6 @@ __all__ = [
     "iter_records",
     "patch_batch",
     "scan_batches",
+    "set_max_timestamp",
     "validate_batches",
 ]

@@ -9,10 +9,11 @@ RecordBatch v2 layout (big-endian), offsets from the batch start:
   27 baseTimestamp i64 | 35 maxTimestamp i64 | 43 producerId i64 |
   51 producerEpoch i16 | 53 baseSequence i32 | 57 recordCount i32 | 61 records
 The CRC32C covers bytes 21..end, so patching baseOffset or the leader epoch
-never requires recomputing it.
+never requires recomputing it; correcting maxTimestamp (see validate_batches)
+does.
 """
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
-from libc.stdint cimport INT32_MAX, uint8_t, uint32_t, int64_t, uint64_t, int32_t
+from libc.stdint cimport INT32_MAX, INT64_MIN, uint8_t, uint32_t, int64_t, uint64_t, int32_t
 from libc.string cimport memcpy
 
 import zlib
@@ -161,12 +162,15 @@ def encode_varint(int64_t value):
     return bytes(buf[:n + 1])
 
 
-cdef Py_ssize_t walk_records(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, int32_t count) noexcept nogil:
+cdef Py_ssize_t walk_records(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, int32_t count,
+                             int64_t *max_ts_delta) noexcept nogil:
     """Check that `count` records exist back to back in [pos, end) with
-    offset deltas 0..count-1. Returns 0 when valid, else a negative reason."""
+    offset deltas 0..count-1, and store the largest timestamp delta in
+    max_ts_delta. Returns 0 when valid, else a negative reason."""
     cdef int64_t length, v, n_headers, klen
     cdef Py_ssize_t rec_end, q
     cdef int32_t i, h
+    max_ts_delta[0] = INT64_MIN
     for i in range(count):
         pos = rd_varlong(p, pos, end, &length)
         if pos < 0 or length < 0 or pos + length > end:
@@ -176,6 +180,8 @@ cdef Py_ssize_t walk_records(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, i
         q = rd_varlong(p, q, rec_end, &v)  # timestamp delta
         if q < 0:
             return -2
+        if v > max_ts_delta[0]:
+            max_ts_delta[0] = v
         q = rd_varlong(p, q, rec_end, &v)  # offset delta
         if q < 0 or v != i:
             return -3
@@ -281,6 +287,10 @@ cdef class BatchInfo:
     cdef readonly int32_t base_sequence
     cdef readonly int32_t record_count
     cdef readonly uint32_t crc
+    # validate_batches found the header's maxTimestamp wrong (Sarama sends -1)
+    # and put the records' largest timestamp in max_timestamp: the stored
+    # batch must get it too (set_max_timestamp)
+    cdef readonly bint max_timestamp_fixed
 
     @property
     def compression(self):
@@ -360,7 +370,9 @@ def validate_batches(const uint8_t[::1] buf, bint deep_compressed=True):
 
     Uncompressed batches have every record walked. Compressed ones are
     decompressed and walked too when deep_compressed is set. Returns the
-    BatchInfo list; raises BatchError (with a Kafka error code)."""
+    BatchInfo list; raises BatchError (with a Kafka error code). A walked
+    batch whose header maxTimestamp is not its records' largest timestamp
+    comes back with the right one and max_timestamp_fixed set."""
     cdef Py_ssize_t end = buf.shape[0]
     cdef const uint8_t *p
     cdef int rc
@@ -369,6 +381,8 @@ def validate_batches(const uint8_t[::1] buf, bint deep_compressed=True):
         raise BatchError(INVALID_RECORD, "empty record set")
     p = &buf[0]
     batches = scan_batches(buf, True)
+    cdef BatchInfo b
+    cdef int64_t max_delta
     for b in batches:
         if b.record_count <= 0:
             raise BatchError(INVALID_RECORD, f"batch declares {b.record_count} records")
@@ -380,7 +394,7 @@ def validate_batches(const uint8_t[::1] buf, bint deep_compressed=True):
         if codec > 4:
             raise BatchError(UNSUPPORTED_COMPRESSION_TYPE, f"unknown compression codec {codec}")
         if codec == 0:
-            rc = walk_records(p, b.position + BATCH_HEADER_SIZE, b.position + b.size, b.record_count)
+            rc = walk_records(p, b.position + BATCH_HEADER_SIZE, b.position + b.size, b.record_count, &max_delta)
         elif deep_compressed:
             try:
                 plain = decompress(codec, buf[b.position + BATCH_HEADER_SIZE:b.position + b.size])
@@ -389,12 +403,30 @@ def validate_batches(const uint8_t[::1] buf, bint deep_compressed=True):
             except Exception as exc:
                 raise BatchError(CORRUPT_MESSAGE, f"{CODEC_NAMES[codec]} payload does not decompress: {exc}")
             inner = plain
-            rc = walk_records(&inner[0] if inner.shape[0] else NULL, 0, inner.shape[0], b.record_count)
+            rc = walk_records(&inner[0] if inner.shape[0] else NULL, 0, inner.shape[0], b.record_count, &max_delta)
         else:
-            rc = 0
+            continue  # records not walked: the header's maxTimestamp stands
         if rc != 0:
             raise BatchError(INVALID_RECORD, f"malformed record framing in batch at byte {b.position} (reason {-rc})")
+        # As Kafka does on append: the batch's maxTimestamp is its records' largest.
+        if b.base_timestamp + max_delta != b.max_timestamp:
+            b.max_timestamp = b.base_timestamp + max_delta
+            b.max_timestamp_fixed = True
     return batches
+
+
+def set_max_timestamp(uint8_t[::1] buf, BatchInfo b):
+    """Write b.max_timestamp into the header of the batch at b.position of buf
+    (a copy of what b was validated from) and recompute its CRC32C."""
+    if b.position < 0 or b.position + b.size > buf.shape[0]:
+        raise IndexError("batch out of range")
+    cdef uint8_t *p = &buf[b.position]
+    wr_i64(p + 35, b.max_timestamp)
+    cdef uint32_t crc
+    with nogil:
+        crc = ks_crc32c(0, p + 21, b.size - 21, 0)
+    wr_i32(p + 17, <int32_t>crc)
+    b.crc = crc
 
 
 def patch_batch(uint8_t[::1] buf, Py_ssize_t position, int64_t base_offset, int32_t leader_epoch):

@@ -201,7 +201,7 @@ class Worker:
         if payload is None or len(payload) == 0:
             return ("error", ErrorCode.INVALID_RECORD, "no records")
         try:
-            _native.validate_batches(payload, self.cfg.validate_compressed)
+            batches = _native.validate_batches(payload, self.cfg.validate_compressed)
         except _native.BatchError as exc:
             return ("error", exc.code, str(exc))
         n = len(payload)
@@ -210,7 +210,11 @@ class Worker:
         start = self.ring.alloc(n)
         if start is None:
             return ("error", ErrorCode.NOT_ENOUGH_REPLICAS, RING_FULL)
-        self.ring.view(start, n)[:] = payload
+        staged = self.ring.view(start, n)
+        staged[:] = payload
+        for b in batches:
+            if b.max_timestamp_fixed:
+                _native.set_max_timestamp(staged, b)
         metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process()).inc(n)
         return ("ring", self.slot, start, n)
 

@@ -77,6 +77,12 @@ class SegmentManifest(_JsonRecord):
     key: str
     created_ms: int
 
+    @property
+    def newest_ms(self) -> int:
+        """How old the segment's data is, for retention: its largest record
+        timestamp, or when it was written if no record carries one."""
+        return self.max_ts if self.max_ts >= 0 else self.created_ms
+
 
 class MetaStore:
     def __init__(self, endpoints: str, cluster: str = "default") -> None:

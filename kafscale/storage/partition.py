@@ -319,7 +319,7 @@ class PartitionLog(LogReader):
             total = sum(m.size for m in self.segments)
             drop: list[SegmentManifest] = []
             for m in self.segments:
-                expired = retention_ms >= 0 and m.max_ts < now_ms - retention_ms
+                expired = retention_ms >= 0 and m.newest_ms < now_ms - retention_ms
                 if not (expired or (retention_bytes >= 0 and total > retention_bytes)):
                     break
                 drop.append(m)

@@ -94,6 +94,25 @@ def test_patch_batch_keeps_crc_valid():
     assert struct.unpack_from(">i", batch, 12)[0] == 7
 
 
+@pytest.mark.parametrize("codec", [0, 4])
+def test_validate_corrects_a_wrong_max_timestamp(codec):
+    """Sarama sends maxTimestamp -1: validation finds the records' largest
+    timestamp and set_max_timestamp writes it into the stored copy with a new CRC."""
+    batch = bytearray(_native.build_batch([(1000, b"k", b"a", []), (3000, b"k", b"b", []), (2000, None, b"c", [])],
+                                          codec=codec))
+    [good] = _native.validate_batches(bytes(batch))
+    assert good.max_timestamp == 3000 and not good.max_timestamp_fixed
+    struct.pack_into(">q", batch, 35, -1)
+    struct.pack_into(">I", batch, 17, _native.crc32c(bytes(batch[21:])))
+    [info] = _native.validate_batches(bytes(batch))
+    assert info.max_timestamp == 3000 and info.max_timestamp_fixed
+    _native.set_max_timestamp(batch, info)
+    [fixed] = _native.validate_batches(bytes(batch))
+    assert (fixed.max_timestamp, fixed.max_timestamp_fixed) == (3000, False)
+    assert bytes(batch) == _native.build_batch([(1000, b"k", b"a", []), (3000, b"k", b"b", []),
+                                                (2000, None, b"c", [])], codec=codec)
+
+
 @pytest.mark.parametrize("mutate,code", [
     (lambda b: b[:30], _native.CORRUPT_MESSAGE),
     (lambda b: b[:20] + bytes([b[20] ^ 1]) + b[21:], _native.CORRUPT_MESSAGE),  # CRC byte
