@@ -496,8 +496,8 @@ class Broker:
                 or self.authz.allows_any_topic(hdr.principal, hdr.client_host, Operation.WRITE)):
             return {"throttle_time_ms": 0, "error_code": ErrorCode.CLUSTER_AUTHORIZATION_FAILED,
                     "producer_id": -1, "producer_epoch": -1}
-        if req.get("producer_id", -1) >= 0:  # KIP-360: an idempotent producer bumps its epoch
-            return {"throttle_time_ms": 0, "error_code": 0, "producer_id": req["producer_id"],
-                    "producer_epoch": (req["producer_epoch"] + 1) & 0x7FFF}
+        # Without a transactional id Kafka always allocates a fresh producer id,
+        # whatever id and epoch the request carries (a client may send 0/0, or an
+        # id another producer holds): two producers must never share one.
         return {"throttle_time_ms": 0, "error_code": 0, "producer_id": await self.meta.next_producer_id(),
                 "producer_epoch": 0}

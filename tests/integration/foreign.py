@@ -29,3 +29,9 @@ def run(binary: Path | str, *args: str, timeout: float = 120) -> str:
     r = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     return r.stdout
+
+
+def node(script: str, *args: str, timeout: float = 120) -> str:
+    """Run tests/integration/node/{script} with the machine's Node (clients from npm, installed by .ci/run)."""
+    assert (HERE / "node" / "node_modules").is_dir(), "run `npm ci --prefix tests/integration/node` (.ci/run does)"
+    return run(shutil.which("node") or "node", str(HERE / "node" / script), *args, timeout=timeout)

@@ -9,7 +9,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from tests.integration.clients import confluent_consume, create_topic
-from tests.integration.foreign import build_go, run
+from tests.integration.foreign import build_go, node, run
 
 pytestmark = pytest.mark.integration
 
@@ -40,3 +40,16 @@ def test_sarama_batches_survive_retention_and_are_found_by_time(make_broker, top
         assert 0 <= tp.offset < 50
     finally:
         c.close()
+
+
+def test_two_platformatic_idempotent_producers_keep_all_records(make_broker, topic_name):
+    """@platformatic/kafka sends InitProducerId with producer id 0, epoch 0 and
+    no transactional id: each producer must get an id of its own, or the second
+    one's batches pass for retries of the first one's and are dropped."""
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name)
+    assert node("platformatic_idempotent.mjs", b.bootstrap, topic_name, "200").strip() == "acked 400"
+    got = confluent_consume(b.bootstrap, topic_name, 400, timeout=30)
+    assert len(got) == 400
+    values = sorted(r.value for _, r in got)
+    assert values == sorted(f"p{i}-{k}".encode() for i in range(2) for k in range(200))
