@@ -30,6 +30,8 @@ class Config:
     tls_cert: str = _opt("", "PEM certificate (chain) of the Kafka listener: set it and the key to speak TLS")
     tls_key: str = _opt("", "PEM private key of tls_cert")
     tls_client_ca: str = _opt("", "PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    proxy_upstream_timeout_s: int = _opt(10, "proxy: how long a broker may take to answer beyond the wait the "
+                                         "request itself asks for (max_wait_ms, timeout_ms, rebalance timeout)")
     tls_broker_ca: str = _opt("", "proxy: connect to the brokers over TLS, trusting this PEM CA bundle")
     sasl_mechanisms: str = _opt("", "comma-separated SASL mechanisms the Kafka listener requires: PLAIN, "
                                 "SCRAM-SHA-256, SCRAM-SHA-512 (empty: no SASL); users: kafscale users add")

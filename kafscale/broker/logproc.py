@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import weakref
 from typing import Any
 
 from kafscale.broker.handlers import Accepted, Broker
@@ -36,6 +37,9 @@ class LogService:
         self.channels: set[Channel] = set()
         self._conn_tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.base_events.Server | None = None
+        # (worker, client connection) -> the lock its appends take, in the order it sent them
+        self._append_orders: weakref.WeakValueDictionary[tuple[int, int], asyncio.Lock] = (
+            weakref.WeakValueDictionary())
         broker.on_change = self._changed
         broker.on_acls = self._acls_changed
 
@@ -51,11 +55,9 @@ class LogService:
             await asyncio.wait(self._conn_tasks, timeout=5)
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        append_order = asyncio.Lock()  # one per worker: its appends keep the order it sent them in
-
         async def on_call(kind: str, args: tuple[Any, ...]) -> Any:
             if kind == "produce":
-                return await self._produce(append_order, *args)
+                return await self._produce(id(ch), *args)
             if kind == "frame":
                 return await self._frame(*args)
             if kind == "view":
@@ -78,13 +80,19 @@ class LogService:
             self._conn_tasks.discard(task)
 
     # ------------------------------------------------------------------ calls
-    async def _produce(self, append_order: asyncio.Lock, version: int, client_id: str | None, client_host: str,
+    async def _produce(self, worker: int, conn: int, version: int, client_id: str | None, client_host: str,
                        principal: str, req: dict[str, Any]) -> dict[str, Any] | None:
+        """A connection's produces are appended in the order it sent them (calls
+        start in arrival order and take its lock first thing); other
+        connections' produces do not wait for them, even while this one opens
+        partitions."""
         for td in req["topic_data"]:
             for pd in td["partition_data"]:
                 pd["records"] = self._accept(pd["records"])
-        hdr = RequestHeader(PRODUCE.key, version, 0, client_id, False, client_host, principal,
-                            append_order=append_order)
+        order = self._append_orders.get((worker, conn))
+        if order is None:
+            order = self._append_orders[(worker, conn)] = asyncio.Lock()
+        hdr = RequestHeader(PRODUCE.key, version, 0, client_id, False, client_host, principal, append_order=order)
         return await self.broker.produce(hdr, req)
 
     def _accept(self, desc: tuple[Any, ...]) -> Accepted | LogError:

@@ -18,14 +18,16 @@ import ssl as ssl_mod
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kafscale import metrics
+from kafscale.metadata.store import unavailable
 from kafscale.protocol.codec import DecodeError
-from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.error_response import error_response, unavailable_code
+from kafscale.protocol.errors import ErrorCode, KafkaError
 from kafscale.protocol.framing import RequestHeader, encode_response, parse_request_header
-from kafscale.protocol.schemas import API_VERSIONS, APIS, SASL_AUTHENTICATE, SASL_HANDSHAKE
+from kafscale.protocol.schemas import API_VERSIONS, APIS, PRODUCE, SASL_AUTHENTICATE, SASL_HANDSHAKE
 from kafscale.security.sasl import ANONYMOUS, Lookup, SaslExchange, SaslFailed
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ class Session:
     exchange: SaslExchange | None = None
     raw_tokens: bool = False  # after SaslHandshake v0: bare size-prefixed SASL tokens, no Kafka framing
     closing: bool = False  # authentication failed: close once the answer is sent
+    # run when the connection ends (the proxy closes this client's upstream connections)
+    on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
 SESSION: contextvars.ContextVar[Session] = contextvars.ContextVar("session")
@@ -81,8 +85,24 @@ async def call_handler(handlers: dict[int, Handler], hdr: RequestHeader, frame: 
         # Kafka ignores bytes after the body, and librdkafka sends some (a
         # 4-byte array-count placeholder in Metadata v9+ for all topics).
         log.debug("%s v%d: ignoring %d trailing bytes", api.name, hdr.api_version, len(frame) - end)
-    body = await handlers[hdr.api_key](hdr, req)
-    return None if body is None else encode_response(hdr, body)
+    try:
+        body = await handlers[hdr.api_key](hdr, req)
+    except (ProtocolViolation, asyncio.CancelledError):
+        raise
+    except KafkaError as exc:
+        log.info("%s v%d failed: %s", api.name, hdr.api_version, exc)
+        body = error_response(api, hdr.api_version, req, exc.code, str(exc))
+    except Exception as exc:  # the client gets an error code; its connection stays open
+        if unavailable(exc):
+            code = unavailable_code(hdr.api_key)
+            log.warning("%s v%d: answering %s: %r", api.name, hdr.api_version, code.name, exc)
+        else:
+            code = ErrorCode.UNKNOWN_SERVER_ERROR
+            log.exception("%s v%d failed; answering %s", api.name, hdr.api_version, code.name)
+        body = error_response(api, hdr.api_version, req, code, f"{type(exc).__name__}: {exc}")
+    if body is None or (hdr.api_key == PRODUCE.key and req.get("acks") == 0):
+        return None
+    return encode_response(hdr, body)
 
 
 def parse_header(frame: memoryview) -> tuple[RequestHeader, int]:
@@ -197,6 +217,11 @@ class KafkaServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+            for cb in session.on_close:
+                try:
+                    await cb()
+                except Exception as exc:
+                    log.warning("conn %d from %s: cleanup failed: %r", conn, peer, exc)
             self._conns.pop(task, None)
 
     async def _read_frame(self, reader: asyncio.StreamReader, min_size: int = 8) -> memoryview | None:

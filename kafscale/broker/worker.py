@@ -15,7 +15,7 @@ from typing import Any
 
 from kafscale import _native, metrics
 from kafscale.broker.ipc import Channel, ChannelClosed
-from kafscale.broker.server import ON_SENT, KafkaServer, ProtocolViolation, SaslSettings, run_on_sent
+from kafscale.broker.server import ON_SENT, SESSION, KafkaServer, ProtocolViolation, SaslSettings, run_on_sent
 from kafscale.broker.shm import CacheReader, CacheRef, Ring, SharedArea
 from kafscale.config import Config
 from kafscale.metadata.store import SegmentManifest
@@ -168,9 +168,13 @@ class Worker:
         return schemas.api_versions_response()
 
     async def forward(self, hdr: RequestHeader, frame: memoryview) -> list[Any] | None:
+        """Have the log process answer a request. A connection's forwarded
+        requests take effect one at a time in the order it sent them, as on a
+        Kafka broker: pipelined OffsetCommits must not race each other."""
         assert self.chan is not None
         try:
-            kind, value = await self.chan.call("frame", hdr.client_host, hdr.principal, bytes(frame))
+            async with hdr.append_order:
+                kind, value = await self.chan.call("frame", hdr.client_host, hdr.principal, bytes(frame))
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
         if kind == "violation":
@@ -186,7 +190,8 @@ class Worker:
             for pd in td["partition_data"]:
                 pd["records"] = self._stage(pd["records"])
         try:
-            reply = self.chan.call("produce", hdr.api_version, hdr.client_id, hdr.client_host, hdr.principal, req)
+            reply = self.chan.call("produce", SESSION.get().conn, hdr.api_version, hdr.client_id, hdr.client_host,
+                                   hdr.principal, req)
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
         if req["acks"] == 0:
@@ -291,9 +296,11 @@ class Worker:
                         self._authorize_read(hdr, view.topic)
                     r["high_watermark"] = r["last_stable_offset"] = view.hw
                     r["log_start_offset"] = view.log_start
+                    # the response's max_bytes holds across partitions: only the first
+                    # partition with data may exceed it (with one batch), as in Kafka
                     limit = min(p["partition_max_bytes"], budget - total)
                     if limit > 0 or total == 0:
-                        chunks = await view.read(p["fetch_offset"], max(limit, 1))
+                        chunks = await view.read(p["fetch_offset"], max(limit, 1), strict=total > 0)
                         if chunks:
                             r["records"] = chunks
                             total += sum(len(c) for c in chunks)

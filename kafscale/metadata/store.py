@@ -37,6 +37,14 @@ class TopicExists(Exception):
     pass
 
 
+def unavailable(exc: BaseException) -> bool:
+    """Whether exc means etcd (or another server) could not be reached in
+    time: worth a retriable error to the client, not a bug."""
+    if isinstance(exc, aetcd.exceptions.InvalidArgumentError):  # a request etcd refuses (e.g. too large)
+        return False
+    return isinstance(exc, OSError | TimeoutError | aetcd.exceptions.ClientError)
+
+
 @dataclass
 class TopicMeta:
     name: str

@@ -30,7 +30,8 @@ class RequestHeader:
     client_host: str = ""
     principal: str = "User:ANONYMOUS"  # who the connection authenticated as (SASL)
     # One per connection: Kafka handles a connection's requests one at a time,
-    # so clients rely on pipelined produces being appended in send order.
+    # so clients rely on pipelined produces being appended, and other requests
+    # taking effect, in send order.
     append_order: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Run once the response has been handed to the socket (or dropped): a
     # worker unpins the shared-memory segments the response points into.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafscale.broker.cluster import Cluster
-from kafscale.broker.server import Handler
+from kafscale.broker.server import SESSION, Handler
 from kafscale.config import Config
 from kafscale.metadata.store import MetaStore
 from kafscale.protocol import schemas
@@ -60,8 +60,10 @@ class Proxy:
         self.cluster = Cluster(meta, cfg, member=False)
         self.owners: dict[tuple[str, int], int] = {}
         self.topic_names: dict[bytes, str] = {}
-        self.upstreams: dict[int, Upstream] = {}
+        # client connection -> broker -> upstream connection (0: requests outside a client connection)
+        self.upstreams: dict[int, dict[int, Upstream]] = {}
         self._refresh_task: asyncio.Task[None] | None = None
+        self._refresh_now: asyncio.Task[None] | None = None  # a refresh after a broker failed
         self.handlers: dict[int, Handler] = {
             key: self._forward_any for key in schemas.APIS}
         self.handlers.update({key: self._partitioned for key in PARTITIONED})
@@ -85,8 +87,8 @@ class Proxy:
     async def close(self) -> None:
         if self._refresh_task:
             self._refresh_task.cancel()
-        for u in self.upstreams.values():
-            await u.close()
+        for conn in list(self.upstreams):
+            await self._close_upstreams(conn)
 
     async def refresh(self) -> None:
         await self.cluster.refresh()
@@ -101,27 +103,67 @@ class Proxy:
             except Exception as exc:
                 log.warning("proxy refresh failed: %r", exc)
 
-    def _upstream(self, broker: int) -> Upstream:
+    async def _upstream(self, broker: int) -> Upstream:
+        """The calling client connection's own connection to `broker`."""
         if broker not in self.cluster.brokers:
             raise UpstreamError(f"broker {broker} is not live")
         host, port = self.cluster.brokers[broker]
-        u = self.upstreams.get(broker)
+        session = SESSION.get(None)
+        conn = session.conn if session is not None else 0
+        mine = self.upstreams.get(conn)
+        if mine is None:
+            mine = self.upstreams[conn] = {}
+            if session is not None:
+                session.on_close.append(lambda: self._close_upstreams(conn))
+        u = mine.get(broker)
         if u is None or (u.host, u.port) != (host, port):
-            u = self.upstreams[broker] = Upstream(host, port, self.cfg.broker_ssl())
+            if u is not None:  # the broker came back elsewhere
+                await u.close()
+            u = mine[broker] = Upstream(host, port, self.cfg.broker_ssl())
         return u
+
+    async def _close_upstreams(self, conn: int) -> None:
+        for u in self.upstreams.pop(conn, {}).values():
+            await u.close()
+
+    def _timeout_s(self, hdr: RequestHeader, body: dict[str, Any]) -> float:
+        """How long a broker may take: what the request itself may wait, plus
+        proxy_upstream_timeout_s."""
+        wait_ms = {schemas.FETCH.key: body.get("max_wait_ms", 0), schemas.PRODUCE.key: body.get("timeout_ms", 0),
+                   schemas.JOIN_GROUP.key: body.get("rebalance_timeout_ms", body.get("session_timeout_ms", 0)),
+                   schemas.SYNC_GROUP.key: 60_000}.get(hdr.api_key, 0)
+        return max(wait_ms, 0) / 1000 + self.cfg.proxy_upstream_timeout_s
 
     def _owner(self, topic: str, p: int) -> int:
         owner = self.owners.get((topic, p))
         return owner if owner in self.cluster.brokers else self.cluster.desired_owner(topic, p)
 
-    def _any_broker(self) -> int:
-        if not self.cluster.brokers:
-            raise UpstreamError("no live brokers")
-        return min(self.cluster.brokers)
+    async def _send_any(self, hdr: RequestHeader, body: dict[str, Any]) -> dict[str, Any]:
+        """Send to a live broker; one that fails (dead but its lease not yet
+        expired) is skipped for the next. Every broker failing raises the last
+        error, which the client gets as a retriable error code."""
+        error: UpstreamError = UpstreamError("no live brokers")
+        for broker in sorted(self.cluster.brokers):
+            try:
+                resp = await self._send(broker, hdr, body)
+                assert resp is not None
+                return resp
+            except UpstreamError as exc:
+                log.info("proxy: broker %d failed (%s); trying another", broker, exc)
+                self._refresh_soon()
+                error = exc
+        raise error
+
+    def _refresh_soon(self) -> None:
+        if self._refresh_now is None or self._refresh_now.done():
+            self._refresh_now = asyncio.create_task(self.refresh())
+            self._refresh_now.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _send(self, broker: int, hdr: RequestHeader, body: dict[str, Any], expect_reply: bool = True
                     ) -> dict[str, Any] | None:
-        return await self._upstream(broker).request(hdr.api_key, hdr.api_version, body, expect_reply, hdr.client_id)
+        upstream = await self._upstream(broker)
+        return await upstream.request(hdr.api_key, hdr.api_version, body, expect_reply, hdr.client_id,
+                                      self._timeout_s(hdr, body))
 
     # -------------------------------------------------------------- handlers
     async def api_versions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
@@ -132,11 +174,10 @@ class Proxy:
         return {"node_id": self.node_id, "host": host, "port": port, "rack": None}
 
     async def _forward_any(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any] | None:
-        return await self._send(self._any_broker(), hdr, req)
+        return await self._send_any(hdr, req)
 
     async def _metadata(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        resp = await self._send(self._any_broker(), hdr, req)
-        assert resp is not None
+        resp = await self._send_any(hdr, req)
         resp["brokers"], resp["controller_id"] = [self._me()], self.node_id
         for t in resp["topics"]:
             for p in t["partitions"]:
@@ -144,16 +185,14 @@ class Proxy:
         return resp
 
     async def _describe_cluster(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        resp = await self._send(self._any_broker(), hdr, req)
-        assert resp is not None
+        resp = await self._send_any(hdr, req)
         me = self._me()
         resp["brokers"] = [{"broker_id": me["node_id"], "host": me["host"], "port": me["port"], "rack": None}]
         resp["controller_id"] = self.node_id
         return resp
 
     async def _find_coordinator(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        resp = await self._send(self._any_broker(), hdr, req)
-        assert resp is not None
+        resp = await self._send_any(hdr, req)
         me = self._me()
         for c in [resp, *resp.get("coordinators", [])]:
             if c.get("error_code", 0) == 0:
@@ -180,7 +219,7 @@ class Proxy:
             if isinstance(resp, BaseException):  # that broker is gone: clients retry after a metadata refresh
                 log.info("proxy: broker %d failed (%s); answering NOT_LEADER_OR_FOLLOWER", broker, resp)
                 resp = self._error_response(spec, body, ErrorCode.NOT_LEADER_OR_FOLLOWER)
-                asyncio.get_running_loop().create_task(self.refresh())
+                self._refresh_soon()
             out.update({k: v for k, v in resp.items() if k != spec.resp_topics})
             for t in resp[spec.resp_topics]:
                 key = (t.get("name") or t.get("topic"), t.get("topic_id"))
@@ -206,25 +245,19 @@ class Proxy:
         return {spec.resp_topics: topics, "throttle_time_ms": 0}
 
     async def _to_coordinator(self, group: str, hdr: RequestHeader, body: dict[str, Any]) -> dict[str, Any]:
+        """Send to the group's coordinator; if it fails, the client gets
+        COORDINATOR_NOT_AVAILABLE (from the server's error handling) and looks
+        for the coordinator again."""
         try:
             resp = await self._send(self.cluster.coordinator_for(group), hdr, body)
             assert resp is not None
             return resp
         except UpstreamError:
-            asyncio.get_running_loop().create_task(self.refresh())
+            self._refresh_soon()
             raise
 
     async def _group_keyed(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return await self._to_coordinator(req["group_id"], hdr, req)
-        except UpstreamError:
-            code = ErrorCode.COORDINATOR_NOT_AVAILABLE
-            if hdr.api_key == schemas.OFFSET_COMMIT.key:
-                return {"throttle_time_ms": 0, "topics": [
-                    {"name": t["name"], "partitions": [{"partition_index": p["partition_index"], "error_code": code}
-                                                       for p in t["partitions"]]} for t in req["topics"]]}
-            return {"throttle_time_ms": 0, "error_code": code, "members": [], "assignment": b"",
-                    "member_id": req.get("member_id", "")}
+        return await self._to_coordinator(req["group_id"], hdr, req)
 
     async def _offset_fetch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         if hdr.api_version < 8:

@@ -1,5 +1,7 @@
 """Pipelined connections from the proxy to brokers: many requests in flight
-on one connection, answers matched by correlation id."""
+on one connection, answers matched by correlation id. The proxy opens one per
+client connection and broker, so that a client's requests reach a broker in
+the order it sent them and never wait behind another client's long poll."""
 from __future__ import annotations
 
 import asyncio
@@ -66,7 +68,10 @@ class Upstream:
                 self._writer.close()
 
     async def request(self, api_key: int, version: int, body: dict[str, Any], expect_reply: bool = True,
-                      client_id: str | None = "kafscale-proxy") -> dict[str, Any] | None:
+                      client_id: str | None = "kafscale-proxy", timeout_s: float = 30) -> dict[str, Any] | None:
+        """Send a request and wait up to timeout_s for its answer. A broker that
+        does not answer in time (paused, or cut off) loses this connection:
+        UpstreamError, and the next request connects afresh."""
         try:
             await self._connect()
         except (OSError, TimeoutError) as exc:
@@ -80,7 +85,12 @@ class Upstream:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[corr] = (fut, api_key, version)
         self._writer.write(frame)
-        return await fut
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            self._waiting.pop(corr, None)
+            await self.close()
+            raise UpstreamError(f"{self.host}:{self.port} did not answer within {timeout_s:.0f}s") from None
 
     async def close(self) -> None:
         if self._reading is not None:

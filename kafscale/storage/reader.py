@@ -148,12 +148,14 @@ class LogReader:
         w.data.cancel()
         self.budget.release(self, w.end - w.start)
 
-    async def read(self, offset: int, max_bytes: int) -> list[memoryview | bytes]:
+    async def read(self, offset: int, max_bytes: int, strict: bool = False) -> list[memoryview | bytes]:
         """Committed batches from the one holding `offset`, across segments,
-        whole batches only, up to max_bytes (but always at least one batch so
-        that a record larger than max_bytes still makes progress). Empty at the
-        watermark; raises LogError(OFFSET_OUT_OF_RANGE) outside the log.
-        After the first chunk, only data already at hand is added."""
+        whole batches only, up to max_bytes (but, unless strict, always at
+        least one batch so that a record larger than max_bytes still makes
+        progress; Kafka grants that to the first partition of a Fetch response
+        only). Empty at the watermark; raises LogError(OFFSET_OUT_OF_RANGE)
+        outside the log. After the first chunk, only data already at hand is
+        added."""
         if offset < self.log_start or offset > self.hw:
             raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} outside [{self.log_start}, {self.hw}]")
         self.last_read = now = asyncio.get_running_loop().time()
@@ -182,7 +184,7 @@ class LogReader:
             if got is None:
                 break
             chunk, after, cursor = got
-            if out and size + len(chunk) > max_bytes:
+            if (out or strict) and size + len(chunk) > max_bytes:
                 break
             out.append(chunk)
             size += len(chunk)

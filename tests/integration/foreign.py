@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).parent
+NODE = HERE / "node"
 GOPATH = "/usr/share/gocode"  # where Debian's Go library packages install their source
 
 
@@ -33,5 +34,5 @@ def run(binary: Path | str, *args: str, timeout: float = 120) -> str:
 
 def node(script: str, *args: str, timeout: float = 120) -> str:
     """Run tests/integration/node/{script} with the machine's Node (clients from npm, installed by .ci/run)."""
-    assert (HERE / "node" / "node_modules").is_dir(), "run `npm ci --prefix tests/integration/node` (.ci/run does)"
-    return run(shutil.which("node") or "node", str(HERE / "node" / script), *args, timeout=timeout)
+    assert (NODE / "node_modules").is_dir(), "run `npm ci --prefix tests/integration/node` (.ci/run does)"
+    return run(shutil.which("node") or "node", str(NODE / script), *args, timeout=timeout)

@@ -2,14 +2,17 @@
 each test here reproduces a defect a real client found."""
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from tests.integration.clients import confluent_consume, create_topic
-from tests.integration.foreign import build_go, node, run
+from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
+from tests.integration.foreign import NODE, build_go, node, run
+from tests.integration.test_groups import produce_spread, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -53,3 +56,109 @@ def test_two_platformatic_idempotent_producers_keep_all_records(make_broker, top
     assert len(got) == 400
     values = sorted(r.value for _, r in got)
     assert values == sorted(f"p{i}-{k}".encode() for i in range(2) for k in range(200))
+
+
+def test_pipelined_async_commits_leave_the_last_offset(make_broker, topic_name):
+    """librdkafka sends asynchronous commits back to back on one connection:
+    they must take effect in the order sent, so the last one wins."""
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name)
+    c = Consumer({"bootstrap.servers": b.bootstrap, "group.id": f"g-{topic_name}", "enable.auto.commit": False})
+    try:
+        for i in range(1, 1001):
+            c.commit(offsets=[TopicPartition(topic_name, 0, i)], asynchronous=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            c.poll(0.1)  # serves the commit callbacks
+            [tp] = c.committed([TopicPartition(topic_name, 0)], timeout=10)
+            if tp.offset == 1000:
+                break
+        time.sleep(1)  # any commit still in flight would land now
+        [tp] = c.committed([TopicPartition(topic_name, 0)], timeout=10)
+        assert tp.offset == 1000
+    finally:
+        c.close()
+
+
+def test_fetch_max_bytes_below_two_batches_still_makes_progress(make_broker, topic_name):
+    """With fetch.max.bytes=1000000 and a 900 KiB batch on each of two
+    partitions, only the first partition may exceed what is left of the
+    response's max_bytes: a 1.8 MB response is rejected by librdkafka."""
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name, partitions=2)
+    big = {p: bytes([65 + p]) * (900 * 1024) for p in (0, 1)}
+    for p, value in big.items():
+        confluent_produce(b.bootstrap, topic_name, [Rec(b"k", value)], partition=p)
+    c = Consumer({"bootstrap.servers": b.bootstrap, "group.id": f"g-{topic_name}", "enable.auto.commit": False,
+                  "fetch.max.bytes": 1_000_000, "fetch.message.max.bytes": 1_000_000})
+    got: dict[int, bytes] = {}
+    try:
+        c.assign([TopicPartition(topic_name, p, 0) for p in (0, 1)])
+        deadline = time.monotonic() + 30
+        while len(got) < 2 and time.monotonic() < deadline:
+            msg = c.poll(0.5)
+            if msg is not None:
+                assert msg.error() is None, msg.error()
+                got[msg.partition()] = msg.value()
+    finally:
+        c.close()
+    assert got == big
+
+
+class KafkajsMember:
+    """A kafkajs group member in its own Node process (tests/integration/node/kafkajs_member.mjs)."""
+
+    def __init__(self, bootstrap: str, group: str, topic: str, out: Path) -> None:
+        self.out = out
+        self.proc = subprocess.Popen(["node", str(NODE / "kafkajs_member.mjs"), bootstrap, group, topic, str(out)],
+                                     stdout=subprocess.DEVNULL, stderr=open(out.with_suffix(".err"), "wb"))
+
+    def lines(self) -> list[str]:
+        return self.out.read_text().splitlines() if self.out.exists() else []
+
+    def joins(self) -> int:
+        return self.lines().count("joined")
+
+    def processed(self) -> set[tuple[int, int]]:
+        return {(int(a), int(b)) for a, b in (ln.split() for ln in self.lines() if ln[0].isdigit())}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def test_kafkajs_group_through_the_proxy_stays_stable(make_cluster, topic_name, tmp_path):
+    """Three kafkajs members through `kafscale proxy` (3 brokers) stay in one
+    generation while a fourth joins and leaves: a member's Heartbeat must
+    never wait behind another member's JoinGroup on a shared upstream
+    connection. Every produced record is processed."""
+    *_, proxy = make_cluster(3, proxy=True)
+    boot = proxy.bootstrap
+    create_topic(boot, topic_name, partitions=4)
+    group = f"g-{topic_name}"
+    members = [KafkajsMember(boot, group, topic_name, tmp_path / f"m{i}.txt") for i in range(3)]
+    extra = None
+    produced: set[tuple[int, int]] = set()
+    try:
+        wait_for(lambda: all(m.joins() for m in members), 60, "three kafkajs members to join")
+        produced |= produce_spread(boot, topic_name, 1000, partitions=4)
+        extra = KafkajsMember(boot, group, topic_name, tmp_path / "m3.txt")
+        wait_for(lambda: extra.joins() > 0, 60, "a fourth member to join")
+        produced |= produce_spread(boot, topic_name, 1000, partitions=4)
+        extra.stop()
+        produced |= produce_spread(boot, topic_name, 1000, partitions=4)
+        everyone = [*members, extra]
+        wait_for(lambda: produced <= set().union(*(m.processed() for m in everyone)), 90,
+                 "every record to be processed")
+        time.sleep(3)  # a few heartbeats: the group must stay settled
+    finally:
+        for m in [*members, *([extra] if extra else [])]:
+            m.stop()
+    for m in members:
+        assert not any(ln.startswith("crash") for ln in m.lines()), m.lines()[-3:]
+        # joined once, then once per rebalance (the fourth member arriving and leaving)
+        assert m.joins() <= 4, f"{m.out.name} joined {m.joins()} times"

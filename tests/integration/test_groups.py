@@ -16,12 +16,12 @@ from tests.integration.clients import create_topic, kcat
 PARTITIONS = 4
 
 
-def produce_spread(bootstrap: str, topic: str, n: int) -> set[tuple[int, int]]:
+def produce_spread(bootstrap: str, topic: str, n: int, partitions: int = PARTITIONS) -> set[tuple[int, int]]:
     """n records round-robin over the partitions; returns every (partition, offset)."""
     p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
     done: set[tuple[int, int]] = set()
     for i in range(n):
-        p.produce(topic, value=b"v%d" % i, partition=i % PARTITIONS,
+        p.produce(topic, value=b"v%d" % i, partition=i % partitions,
                   on_delivery=lambda err, m: done.add((m.partition(), m.offset())) if err is None else None)
         if i % 500 == 0:
             p.poll(0)
