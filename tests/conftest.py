@@ -105,7 +105,7 @@ class BrokerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(15)
+                self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
 

@@ -55,6 +55,7 @@ class Broker:
         self._retention: asyncio.Task[None] | None = None
         self._balancer: asyncio.Task[None] | None = None
         self._acl_refresher: asyncio.Task[None] | None = None
+        self.closing = False  # shutting down: no partition is opened any more
         self.authz = Authorizer(cfg.authorizer, cfg.super_users, cfg.allow_everyone_if_no_acl_found)
         # told when the ACLs change (the log process passes them on to its workers)
         self.on_acls: Callable[[list[AclBinding]], None] = lambda acls: None
@@ -177,13 +178,20 @@ class Broker:
 
     async def close(self, drain_s: float = 10) -> None:
         """Flush what producers are waiting on (up to drain_s), release the
-        partitions so other brokers take over at once, then stop."""
+        partitions so other brokers take over at once, then stop. From the
+        first moment no partition is opened here any more (requests get
+        NOT_LEADER_OR_FOLLOWER), so what is handed over stays handed over."""
+        self.closing = True
         for task in (self._retention, self._balancer, self._acl_refresher):
             if task is not None:
                 task.cancel()
+        await asyncio.gather(*self._opening.values(), return_exceptions=True)  # opened or failed: then released
         await self.groups.close()
-        await asyncio.gather(*(self.release_partition(t, p, lg, drain_s) for (t, p), lg in list(self.logs.items())),
-                             return_exceptions=True)
+        results = await asyncio.gather(*(self.release_partition(t, p, lg, drain_s)
+                                         for (t, p), lg in list(self.logs.items())), return_exceptions=True)
+        for exc in results:
+            if isinstance(exc, BaseException):
+                log.warning("handing a partition over failed (its lease expiry hands it over): %r", exc)
 
     # ----------------------------------------------------------- topics/logs
     async def topic(self, name: str, auto_create: bool = False) -> TopicMeta | None:
@@ -228,6 +236,8 @@ class Broker:
         pending = self._opening.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
+        if self.closing:
+            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"broker {self.cfg.node_id} is shutting down")
         desired = self.cluster.desired_owner(topic, p)
         if desired != self.cfg.node_id:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} belongs on broker {desired}")

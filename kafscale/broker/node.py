@@ -21,6 +21,10 @@ from kafscale.storage.reader import SegmentSource
 log = logging.getLogger(__name__)
 
 
+DRAIN_S = 10  # on shutdown, how long queued produce data may take to become durable
+HANDOVER_S = 5  # and then how long releasing partitions and groups in etcd may take
+
+
 class StartupError(RuntimeError):
     pass
 
@@ -84,7 +88,11 @@ class BrokerNode:
         if self._keepalive:
             self._keepalive.cancel()
         if self.broker:  # flush and hand over first: waiting producers still get their acks
-            await self.broker.close()
+            try:
+                await asyncio.wait_for(self.broker.close(DRAIN_S), DRAIN_S + HANDOVER_S)
+            except TimeoutError:
+                log.warning("hand-over did not finish within %ds; stopping anyway (leases expire)",
+                            DRAIN_S + HANDOVER_S)
         if self._lease is not None:  # deregister at once rather than after the TTL
             with contextlib.suppress(Exception):
                 await self._lease.revoke()

@@ -15,6 +15,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from kafscale.broker.cluster import rendezvous
+from kafscale.broker.node import DRAIN_S, HANDOVER_S
 from tests.integration.clients import confluent_consume, create_topic
 from tests.integration.test_groups import Member, wait_for
 
@@ -158,8 +159,13 @@ def test_rolling_restart_under_load(make_cluster, topic_name, tmp_path):
         for b in brokers:
             before = len(stream.acked)
             wait_for(lambda before=before: len(stream.acked) > before + 500, 60, "acks before the restart")
+            t = time.monotonic()
             b.stop()
-            assert "handing" in b.log() or "shutting down" in b.log()
+            took = time.monotonic() - t
+            assert b.proc is not None and b.proc.returncode == 0, "shut down by SIGTERM, not killed"
+            assert took < DRAIN_S + HANDOVER_S + 3, f"shutdown took {took:.1f}s"
+            _, _, after = b.log().rpartition("shutting down")
+            assert " opened " not in after, "a draining broker re-opened a partition it was handing over"
             b.start()
             wait_for(lambda: leaders(boot, topic_name) == placement, 30, "the placement over all three brokers")
         before = len(stream.acked)
