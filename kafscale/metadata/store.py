@@ -84,6 +84,10 @@ class SegmentManifest(_JsonRecord):
     max_ts: int
     key: str
     created_ms: int
+    # idempotent producers that wrote to this segment: producer id -> [epoch,
+    # [first sequence, last sequence, base offset] of each of its last batches
+    # here (at most 5)]; a new owner rebuilds its duplicate check from these
+    producers: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def newest_ms(self) -> int:

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kafscale import _native, metrics
 from kafscale.config import Config
@@ -33,12 +34,17 @@ MAX_UPLOADS = 4  # segments of one partition uploading at once
 MAX_UNCOMMITTED = 8  # segments of one partition built and not yet committed (bounds its memory)
 
 
+# how many of a producer's last batches are remembered for the duplicate check (Kafka: 5)
+PRODUCER_BATCHES = 5
+
+
 @dataclass
 class _Pending:
     payload: memoryview
     base: int
     future: asyncio.Future[int] | None
     release: Callable[[], None] | None  # hands the payload's memory back (a produce ring slot)
+    producer: tuple[int, int, int, int] | None = None  # idempotent: id, epoch, first and last sequence
 
     def done_with_payload(self) -> None:
         if self.release is not None:
@@ -49,7 +55,8 @@ class _Pending:
 @dataclass
 class _ProducerState:
     epoch: int
-    recent: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=5))  # first seq, last seq, base
+    recent: deque[tuple[int, int, int]] = field(  # first seq, last seq, base offset
+        default_factory=lambda: deque(maxlen=PRODUCER_BATCHES))
 
     @property
     def last_seq(self) -> int:
@@ -92,6 +99,7 @@ class PartitionLog(LogReader):
         self.hw = self.next_offset = state.hw
         self.log_start = state.log_start
         self.set_segments([m for m in await self.meta.list_segments(self.topic, self.partition) if m.last < self.hw])
+        self._producers = producer_states(self.segments)
         self._flusher = asyncio.create_task(self._flush_loop(), name=f"flush {self.topic}/{self.partition}")
         log.info("opened %s/%d epoch=%d hw=%d segments=%d", self.topic, self.partition, self.epoch, self.hw,
                  len(self.segments))
@@ -133,12 +141,14 @@ class PartitionLog(LogReader):
         fut = asyncio.get_running_loop().create_future() if want_ack else None
         if not self._pending:
             self._first_pending_at = time.monotonic()
-        self._pending.append(_Pending(payload, base, fut, release))
+        producer = None
+        if first.producer_id >= 0:
+            last_seq = batches[-1].base_sequence + batches[-1].last_offset_delta
+            producer = (first.producer_id, first.producer_epoch, first.base_sequence, last_seq)
+            self._producers[first.producer_id].recent.append((first.base_sequence, last_seq, base))
+        self._pending.append(_Pending(payload, base, fut, release, producer))
         self._pending_bytes += len(payload)
         self._idle.clear()
-        if first.producer_id >= 0:
-            self._producers[first.producer_id].recent.append(
-                (first.base_sequence, batches[-1].base_sequence + batches[-1].last_offset_delta, base))
         self._wake.set()
         return base, fut
 
@@ -257,7 +267,8 @@ class PartitionLog(LogReader):
             key = segment_key(self.cfg.namespace, self.topic, self.partition, seg.base_offset, self.epoch)
             metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(seg.data))
             manifest = SegmentManifest(seg.base_offset, seg.last_offset, seg.count, len(seg.data),
-                                       seg.min_timestamp, seg.max_timestamp, key, int(time.time() * 1000))
+                                       seg.min_timestamp, seg.max_timestamp, key, int(time.time() * 1000),
+                                       producers_of(items))
             await self._retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, seg.data, seg.index),
                                                                            self.cfg.s3_timeout_s))
         finally:
@@ -342,3 +353,29 @@ class PartitionLog(LogReader):
         log.info("%s/%d: retention removed %d segments; log start offset now %d", self.topic, self.partition,
                  len(drop), new_start)
         return len(drop)
+
+
+def producers_of(items: list[_Pending]) -> dict[str, list[Any]]:
+    """The idempotent producers' last batches among items, for a manifest."""
+    out: dict[str, list[Any]] = {}
+    for p in items:
+        if p.producer is not None:
+            pid, epoch, first_seq, last_seq = p.producer
+            entry = out.setdefault(str(pid), [epoch, []])
+            if epoch > entry[0]:
+                entry[:] = [epoch, []]
+            entry[1] = [*entry[1], [first_seq, last_seq, p.base]][-PRODUCER_BATCHES:]
+    return out
+
+
+def producer_states(segments: list[SegmentManifest]) -> dict[int, _ProducerState]:
+    """Each producer's epoch and last batches, from the manifests of the
+    committed segments (oldest first): what an owner had in memory."""
+    states: dict[int, _ProducerState] = {}
+    for m in segments:
+        for pid, (epoch, batches) in m.producers.items():
+            st = states.get(int(pid))
+            if st is None or epoch > st.epoch:
+                st = states[int(pid)] = _ProducerState(epoch)
+            st.recent.extend(tuple(b) for b in batches)
+    return states

@@ -57,3 +57,30 @@ def test_transactional_init_is_refused(broker):
     r = c.request(INIT_PRODUCER_ID.key, 4, {"transactional_id": "tx-1", "transaction_timeout_ms": 1000})
     assert r["error_code"] == ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED
     c.close()
+
+
+def test_retry_after_an_owner_change_gets_its_original_offset(make_broker, topic_name):
+    """A batch committed by an owner that died before acknowledging it is
+    retried against the next owner: that owner must know the producer's
+    sequences from what was committed, answer the original offset and store
+    nothing twice."""
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name)
+    c = RawClient(b.bootstrap)
+    pid = c.request(INIT_PRODUCER_ID.key, 4, {"transactional_id": None, "transaction_timeout_ms": 1000})[
+        "producer_id"]
+    for seq in (0, 1):
+        r = c.request(PRODUCE.key, 9, produce_body(topic_name, idempotent_batch(pid, 0, seq, b"v%d" % seq)))
+        assert r["responses"][0]["partition_responses"][0]["base_offset"] == seq
+    c.close()
+    b.kill()
+    b.start()  # a new owner process, with a new epoch
+    c = RawClient(b.bootstrap)
+    for seq, value, offset in ((1, b"v1", 1), (0, b"v0", 0), (2, b"v2", 2)):  # two retries, then the next batch
+        r = c.request(PRODUCE.key, 9, produce_body(topic_name, idempotent_batch(pid, 0, seq, value)))
+        part = r["responses"][0]["partition_responses"][0]
+        assert (part["error_code"], part["base_offset"]) == (0, offset), (seq, part)
+    gap = c.request(PRODUCE.key, 9, produce_body(topic_name, idempotent_batch(pid, 0, 7, b"gap")))
+    assert gap["responses"][0]["partition_responses"][0]["error_code"] == ErrorCode.OUT_OF_ORDER_SEQUENCE_NUMBER
+    c.close()
+    assert [r.value for _, r in confluent_consume(b.bootstrap, topic_name, 4, timeout=5)] == [b"v0", b"v1", b"v2"]
