@@ -69,7 +69,9 @@ class Broker:
         }
         self.cluster = Cluster(meta, cfg)
         self.lease: Any = None  # our etcd lease: broker registration and partition ownership hang on it
-        self.groups = GroupCoordinator(meta, cfg.group_initial_rebalance_delay_ms)
+        self.lease_until = 0.0  # monotonic time until which the lease is surely alive (BrokerNode keeps it)
+        self.groups = GroupCoordinator(meta, cfg.group_initial_rebalance_delay_ms,
+                                       lambda: time.monotonic() < self.lease_until)
         self.handlers.update(GroupApi(self.groups, self.cluster, self.topic, self.allowed).handlers)
         self.handlers.update(AdminApi(self).handlers)
         self.handlers.update(AclApi(self).handlers)

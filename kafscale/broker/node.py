@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 
 from kafscale.adminhttp import AdminServer, Check
 from kafscale.broker.handlers import Broker
@@ -51,7 +52,7 @@ class BrokerNode:
             raise StartupError(f"S3 bucket {self.cfg.bucket!r} at {self.cfg.s3_endpoint or 'AWS'} is not "
                                f"writable: {exc!r}") from exc
         self.broker = Broker(self.cfg, self.store, self.meta, self.cache)
-        await self._register()
+        self.broker.lease_until = await self._register()
         await self.broker.start(self._lease)
         self._keepalive = asyncio.create_task(self._keep_lease())
 
@@ -66,21 +67,30 @@ class BrokerNode:
 
         return {"etcd": self.meta.ping, "s3": self.store.ping, "registered": registered, "draining": not_draining}
 
-    async def _register(self) -> None:
+    async def _register(self) -> float:
+        """Register on a new lease; returns until when (monotonic) it surely lives."""
         host, port = self.cfg.advertised_addr()
+        asked = time.monotonic()
         self._lease = await self.meta.register_broker(self.cfg.node_id, host, port, self.cfg.lease_ttl_s)
+        return asked + self.cfg.lease_ttl_s
 
     async def _keep_lease(self) -> None:
         """Refresh the lease; if it expired (we were paused or cut off from
-        etcd), drop everything it covered and register again."""
+        etcd), drop everything it covered and register again. The broker knows
+        until when the lease surely lives (etcd granted it for TTL seconds from
+        a moment after we asked): its group coordinator acts only until then."""
         assert self.broker is not None
         while True:
             await asyncio.sleep(max(self.cfg.lease_ttl_s / 3, 0.5))
             try:
+                asked = time.monotonic()
                 reply = await self._lease.refresh()
-                if reply is None or reply.TTL <= 0:
-                    await self._register()
+                if reply is not None and reply.TTL > 0:
+                    self.broker.lease_until = asked + reply.TTL
+                else:
+                    alive_until = await self._register()
                     await self.broker.lease_lost(self._lease)
+                    self.broker.lease_until = alive_until
             except Exception as exc:
                 log.warning("broker lease refresh failed: %s", exc)
 

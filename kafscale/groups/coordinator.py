@@ -94,11 +94,17 @@ class Group:
 
 
 class GroupCoordinator:
-    def __init__(self, meta: MetaStore, initial_rebalance_delay_ms: int = 500) -> None:
+    def __init__(self, meta: MetaStore, initial_rebalance_delay_ms: int = 500,
+                 lease_valid: Callable[[], bool] = lambda: True) -> None:
         self.meta = meta
         self.initial_delay = initial_rebalance_delay_ms / 1000
         self.groups: dict[str, Group] = {}
         self._expiry: asyncio.Task[None] | None = None
+        # Whether this broker's etcd lease is surely still alive. A coordinator
+        # that was paused past it may already have a successor: until the lease
+        # is known good again (or lost, which evicts every group), its timers
+        # change nothing: no member expires, no rebalance completes.
+        self.lease_valid = lease_valid
 
     async def start(self) -> None:
         self._expiry = asyncio.create_task(self._expire_loop(), name="group session expiry")
@@ -247,6 +253,8 @@ class GroupCoordinator:
             if self._maybe_complete_join(g) or g.state != PREPARING:
                 return
         await asyncio.sleep(max(g.join_deadline - time.monotonic(), 0))
+        while not self.lease_valid():  # noqa: ASYNC110 - a clock deadline, not an event: checked at each tick
+            await asyncio.sleep(0.25)
         async with g.lock:
             if g.state != PREPARING:
                 return
@@ -377,6 +385,8 @@ class GroupCoordinator:
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
+            if not self.lease_valid():
+                continue
             now = time.monotonic()
             for g in list(self.groups.values()):
                 async with g.lock:

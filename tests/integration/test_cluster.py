@@ -11,7 +11,7 @@ import threading
 import time
 
 import aetcd
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
 from kafscale.broker.cluster import rendezvous
@@ -198,3 +198,37 @@ def test_drain_hands_everything_over(make_cluster, topic_name, tmp_path):
     finally:
         drain_and_verify(stream, member, boot, name, 4)
     assert stream.failed == 0, "a drain causes only retriable errors, which the producer retries"
+
+
+def test_paused_coordinator_changes_no_group_state(make_cluster, topic_name):
+    """A coordinator SIGSTOPped past its lease and its member's session timeout
+    must not expire the member (or complete a rebalance) when it resumes:
+    another broker coordinates the group by then."""
+    a, b = make_cluster(2, lease_ttl_s=2, balance_interval_ms=500)
+    boot = bootstrap([a, b])
+    group = next(f"g-{topic_name}-{i}" for i in range(100) if rendezvous(f"g|g-{topic_name}-{i}", [1, 2]) == 1)
+    create_topic(boot, topic_name, partitions=2)
+    c = Consumer({"bootstrap.servers": boot, "group.id": group, "session.timeout.ms": 6000,
+                  "heartbeat.interval.ms": 500, "socket.timeout.ms": 3000})
+    c.subscribe([topic_name])
+
+    def poll_for(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            c.poll(0.1)
+
+    try:
+        wait_for(lambda: (c.poll(0.1), len(c.assignment()) == 2)[1], 30, "the member to get both partitions")
+        assert f"group {group}: generation" in a.log(), "broker 1 coordinates the group"
+        a.signal(signal.SIGSTOP)
+        poll_for(9)  # past broker 1's lease (2 s) and the member's session timeout (6 s)
+        mark = len(a.log())
+        a.signal(signal.SIGCONT)
+        poll_for(4)
+        resumed = a.log()[mark:]
+        assert "etcd lease lost" in resumed
+        assert "session timed out" not in resumed and "did not rejoin" not in resumed, resumed
+        assert f"group {group}: generation" not in resumed, resumed
+    finally:
+        a.signal(signal.SIGCONT)
+        c.close()
