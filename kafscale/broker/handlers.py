@@ -20,7 +20,7 @@ from kafscale.metadata import topic_config
 from kafscale.metadata.store import MetaStore, SegmentManifest, TopicExists, TopicMeta
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol import schemas
-from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
 from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import CLUSTER, AclBinding, Authorizer, Operation, ResourceType
 from kafscale.storage.objectstore import ObjectStore
@@ -344,7 +344,7 @@ class Broker:
                         if acks not in (0, 1, -1):
                             raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
                         if req.get("transactional_id") is not None:
-                            raise LogError(ErrorCode.INVALID_REQUEST, "transactions are not supported")
+                            raise LogError(ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, NO_TRANSACTIONS)
                         if meta is None or not 0 <= pd["index"] < meta.partitions:
                             raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{td['name']}/{pd['index']}")
                         payload, release = accepted

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from kafscale.groups.coordinator import GroupCoordinator, GroupError, offset_record
 from kafscale.metadata.store import TopicMeta
 from kafscale.protocol import schemas
-from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
 from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from kafscale.broker.cluster import Cluster
 
 KEY_TYPE_GROUP = 0
+KEY_TYPE_TRANSACTION = 1
 Allowed = Callable[[RequestHeader, Operation, ResourceType, str], bool]
 
 
@@ -51,10 +52,14 @@ class GroupApi:
         keys = req["coordinator_keys"] if hdr.api_version >= 4 else [req["key"]]
         found = []
         for key in keys:
-            if req["key_type"] != KEY_TYPE_GROUP:
+            if req["key_type"] == KEY_TYPE_TRANSACTION:
                 found.append({"key": key, "node_id": -1, "host": "", "port": -1,
-                              "error_code": ErrorCode.COORDINATOR_NOT_AVAILABLE,
-                              "error_message": "transactions are not supported"})
+                              "error_code": ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+                              "error_message": NO_TRANSACTIONS})
+            elif req["key_type"] != KEY_TYPE_GROUP:
+                found.append({"key": key, "node_id": -1, "host": "", "port": -1,
+                              "error_code": ErrorCode.INVALID_REQUEST,
+                              "error_message": f"coordinator key type {req['key_type']} is not supported"})
             elif not key:
                 found.append({"key": key, "node_id": -1, "host": "", "port": -1,
                               "error_code": ErrorCode.INVALID_GROUP_ID, "error_message": "empty group id"})

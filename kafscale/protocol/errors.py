@@ -59,6 +59,13 @@ class ErrorCode(IntEnum):
     TRANSACTIONAL_ID_AUTHORIZATION_FAILED = 53
 
 
+# Transactions are a non-goal: they are refused with an error every client
+# treats as fatal (TRANSACTIONAL_ID_AUTHORIZATION_FAILED, where the API has one),
+# with this message where the response carries one.
+NO_TRANSACTIONS = ("KafScale does not support transactions (exactly-once); use an idempotent producer "
+                   "without transactional.id")
+
+
 class KafkaError(Exception):
     """An error that reaches the client as a Kafka error code."""
 

@@ -2,13 +2,14 @@
 each test here reproduces a defect a real client found."""
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 from tests.integration.foreign import NODE, build_go, node, run
@@ -162,3 +163,34 @@ def test_kafkajs_group_through_the_proxy_stays_stable(make_cluster, topic_name, 
         assert not any(ln.startswith("crash") for ln in m.lines()), m.lines()[-3:]
         # joined once, then once per rebalance (the fourth member arriving and leaving)
         assert m.joins() <= 4, f"{m.out.name} joined {m.joins()} times"
+
+
+def test_transactions_are_refused_at_once_with_a_fatal_error(broker, topic_name):
+    """Transactions are a non-goal: each client must fail at once with a
+    non-retriable error (not retry until its timeout). librdkafka shows the
+    broker's message; kafka-python and aiokafka show the error code's name."""
+    from aiokafka import AIOKafkaProducer
+    from kafka import KafkaProducer
+    from kafka.errors import TransactionalIdAuthorizationFailedError
+
+    t = time.monotonic()
+    with pytest.raises(KafkaException) as exc:
+        Producer({"bootstrap.servers": broker.bootstrap, "transactional.id": "tx-c"}).init_transactions(30)
+    assert exc.value.args[0].fatal() and "does not support transactions" in exc.value.args[0].str()
+
+    with pytest.raises(TransactionalIdAuthorizationFailedError):
+        KafkaProducer(bootstrap_servers=broker.bootstrap, transactional_id="tx-k").init_transactions()
+
+    async def aiokafka_transaction() -> None:
+        p = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, transactional_id="tx-a")
+        try:
+            await p.start()
+        finally:
+            await p.stop()
+
+    with pytest.raises(Exception, match="TransactionalIdAuthorizationFailed"):
+        asyncio.run(aiokafka_transaction())
+
+    out = node("kafkajs_transaction.mjs", broker.bootstrap, topic_name)
+    assert out.startswith("error ") and "retriable=false" in out, out
+    assert time.monotonic() - t < 20, "a client retried instead of failing at once"
