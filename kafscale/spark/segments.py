@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +20,9 @@ from kafscale import _native
 from kafscale.config import Config
 from kafscale.metadata.store import MetaStore, SegmentManifest
 from kafscale.storage.objectstore import ObjectStore, sync_client
-from kafscale.storage.segment import FOOTER, FOOTER_SIZE, HEADER_SIZE, index_key, parse_index
+from kafscale.storage.segment import FOOTER, FOOTER_SIZE, HEADER_SIZE, SEGMENT_KEY, index_key, parse_index
 
 EARLIEST, LATEST = -2, -1  # Kafka's special offsets in startingOffsets / endingOffsets
-_KEY = re.compile(r"/(\d+)/segment-(\d{20})-(\d{10})\.kfs$")
 
 
 @dataclass(frozen=True)
@@ -125,8 +123,8 @@ async def _from_listing(opts: StoreOptions, topic: str) -> dict[int, tuple[list[
     found: dict[int, dict[int, tuple[int, str, int]]] = {}
     async with opts.store() as store:
         for obj in await store.list(f"{opts.namespace}/{topic}/"):
-            m = _KEY.search(obj["Key"])
-            if m is None or not obj["Key"].startswith(f"{opts.namespace}/{topic}/"):
+            m = SEGMENT_KEY.search(obj["Key"])
+            if m is None or m[4] != "kfs" or not obj["Key"].startswith(f"{opts.namespace}/{topic}/"):
                 continue
             p, base, epoch = int(m[1]), int(m[2]), int(m[3])
             cur = found.setdefault(p, {}).get(base)

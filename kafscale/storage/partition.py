@@ -24,7 +24,7 @@ from kafscale.protocol.errors import ErrorCode
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectExists, ObjectStore
 from kafscale.storage.reader import LogError, LogReader, ReadBudget, SegmentSource
-from kafscale.storage.segment import build_segment, index_key, segment_key
+from kafscale.storage.segment import build_segment, index_key, key_epoch, segment_key
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class PartitionLog(LogReader):
         self._idle = asyncio.Event()  # set while nothing is queued or being flushed
         self._idle.set()
         self._flusher: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._flushes: set[asyncio.Task[None]] = set()  # segments being uploaded or committed
         self._upload_slots = asyncio.Semaphore(MAX_UPLOADS)
         self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
@@ -101,6 +102,7 @@ class PartitionLog(LogReader):
         self.set_segments([m for m in await self.meta.list_segments(self.topic, self.partition) if m.last < self.hw])
         self._producers = producer_states(self.segments)
         self._flusher = asyncio.create_task(self._flush_loop(), name=f"flush {self.topic}/{self.partition}")
+        self._sweeper = asyncio.create_task(self._sweep_orphans(), name=f"sweep {self.topic}/{self.partition}")
         log.info("opened %s/%d epoch=%d hw=%d segments=%d", self.topic, self.partition, self.epoch, self.hw,
                  len(self.segments))
 
@@ -111,7 +113,7 @@ class PartitionLog(LogReader):
         if drain_s > 0 and self._flusher and not self._flusher.done():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), drain_s)
-        tasks = [t for t in (self._flusher, *self._flushes) if t is not None]
+        tasks = [t for t in (self._flusher, self._sweeper, *self._flushes) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -119,6 +121,27 @@ class PartitionLog(LogReader):
         self._pending, self._inflight = [], []
         self.stop_reading()
         self._on_change(self, None)
+
+    async def _sweep_orphans(self) -> None:
+        """Delete the objects earlier owners uploaded but never committed (they
+        died, or were fenced, between upload and commit). Such an object's key
+        carries an older epoch and no manifest names it: its writer's commit can
+        never succeed any more (commits compare the epoch, which our claim
+        bumped), and readers only follow manifests. Committed segments are all
+        in self.segments, listed after our claim."""
+        named = {k for m in self.segments for k in (m.key, index_key(m.key))}
+        prefix = f"{self.cfg.namespace}/{self.topic}/{self.partition}/"
+        try:
+            orphans = [o["Key"] for o in await self.store.list(prefix)
+                       if o["Key"] not in named and (key_epoch(o["Key"]) or self.epoch) < self.epoch]
+            for key in orphans:
+                await self.store.delete(key)
+        except Exception as exc:  # the next owner tries again
+            log.warning("%s/%d: sweeping uncommitted objects failed: %r", self.topic, self.partition, exc)
+            return
+        if orphans:
+            log.info("%s/%d: deleted %d objects no manifest names (uploaded by earlier owners, never committed)",
+                     self.topic, self.partition, len(orphans))
 
     # --------------------------------------------------------------- produce
     def append(self, payload: memoryview, batches: list[_native.BatchInfo], want_ack: bool,

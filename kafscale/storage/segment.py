@@ -14,6 +14,7 @@ previous entry. All integers are big-endian."""
 from __future__ import annotations
 
 import bisect
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +46,16 @@ def segment_key(namespace: str, topic: str, partition: int, base_offset: int, ep
 
 def index_key(segment: str) -> str:
     return segment[: -len(".kfs")] + ".index"
+
+
+# partition, base offset and owner epoch in the key of a segment or its index
+SEGMENT_KEY = re.compile(r"/(\d+)/segment-(\d{20})-(\d{10})\.(kfs|index)$")
+
+
+def key_epoch(key: str) -> int | None:
+    """The owner epoch a segment or index key was written under (None: not such a key)."""
+    m = SEGMENT_KEY.search(key)
+    return None if m is None else int(m.group(3))
 
 
 @dataclass

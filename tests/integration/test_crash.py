@@ -6,7 +6,9 @@ import time
 
 from confluent_kafka import Producer
 
-from tests.integration.clients import confluent_consume, create_topic
+from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
+from tests.integration.test_groups import wait_for
+from tests.integration.test_topics_offsets import s3_keys
 
 
 def test_sigkill_after_acks_loses_nothing(make_broker, topic_name):
@@ -83,3 +85,26 @@ def test_leftover_of_a_crashed_owner_is_ignored(make_broker, topic_name, stack):
     assert [r for _, r in got] == first + second
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=stack.bucket, Prefix=f"{b.cluster}/")["Contents"]]
     assert leftover in keys and segment_key(b.cluster, topic_name, 0, 10, 2) in keys
+
+
+def test_objects_uploaded_but_never_committed_are_swept(make_broker, topic_name, stack):
+    """An owner that dies between uploading a segment and committing it leaves
+    objects no manifest names. The next owner deletes those of older epochs;
+    committed segments stay."""
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name)
+    confluent_produce(b.bootstrap, topic_name, [Rec(b"k", b"committed")])
+    prefix = f"{b.cluster}/{topic_name}/0/"
+    committed = s3_keys(stack, prefix)
+    assert len(committed) == 2  # the segment and its index
+    b.kill()
+    # what the dead owner (epoch 1) uploaded for its next flush, base offset 1, without committing it
+    s3 = stack.s3_client()
+    orphans = [f"{prefix}segment-{1:020d}-{1:010d}.kfs", f"{prefix}segment-{1:020d}-{1:010d}.index"]
+    for key in orphans:
+        s3.put_object(Bucket=stack.bucket, Key=key, Body=b"never committed")
+    b.start()
+    confluent_produce(b.bootstrap, topic_name, [Rec(b"k", b"after restart")])  # the new owner opens the log
+    wait_for(lambda: not set(orphans) & set(s3_keys(stack, prefix)), 20, "the orphans to be deleted")
+    assert set(committed) <= set(s3_keys(stack, prefix))
+    assert [r.value for _, r in confluent_consume(b.bootstrap, topic_name, 2)] == [b"committed", b"after restart"]
