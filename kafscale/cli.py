@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from kafscale import config as config_mod
+from kafscale.extras import MissingExtra
 
 log = logging.getLogger("kafscale")
 
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kafscale.tools import add_parsers
     add_parsers(sub, _kafka_command)
-    from kafscale.processors.iceberg import add_parser as add_processor
+    from kafscale.processors import add_parser as add_processor
     from kafscale.spark.replay import add_parser as add_replay
     add_replay(sub)
     add_processor(sub)
@@ -250,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except config_mod.ConfigError as exc:
         print(f"kafscale {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except MissingExtra as exc:
+        print(exc, file=sys.stderr)
         return 2
 
 

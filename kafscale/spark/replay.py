@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from kafscale import config as config_mod
-from kafscale.spark.segments import StoreOptions
+from kafscale import extras
 
 
 def bound_options(value: str | None, which: str) -> dict[str, str]:
@@ -51,9 +51,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    extras.load("pyspark", "replay")
+    segments = extras.load("kafscale.spark.segments", "replay")
     try:
         options = {"topic": args.topic, **bound_options(args.start, "starting"), **bound_options(args.end, "ending"),
-                   **StoreOptions.from_config(config_mod.load(args), not args.no_etcd).as_source_options()}
+                   **segments.StoreOptions.from_config(config_mod.load(args), not args.no_etcd).as_source_options()}
     except ValueError as exc:
         print(f"kafscale replay: {exc}", file=sys.stderr)
         return 2
