@@ -17,7 +17,7 @@ from kafscale.config import Config
 from kafscale.groups.api import GroupApi
 from kafscale.groups.coordinator import GroupCoordinator
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import MetaStore, SegmentManifest, TopicExists, TopicMeta
+from kafscale.metadata.store import MetaStore, SegmentManifest, TopicExists, TopicMeta, unavailable
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
@@ -291,10 +291,19 @@ class Broker:
         return {"error_code": code, "name": name, "topic_id": t.get("topic_id", bytes(16)), "partitions": []}
 
     async def metadata(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        """Topics, partitions and leaders. While etcd is unreachable, answered
+        from what this broker last read (leaders where they will be claimed)."""
         wanted = req.get("topics")
-        owners = await self.meta.owners()
+        etcd_down = False
+        try:
+            owners = await self.meta.owners()
+        except Exception as exc:
+            if not unavailable(exc):
+                raise
+            log.warning("Metadata: etcd unreachable (%r); answering from the cached topics", exc)
+            owners, etcd_down = {}, True
         if wanted is None or (hdr.api_version == 0 and not wanted):
-            metas = await self.meta.list_topics()
+            metas = list(self.topics.values()) if etcd_down else await self.meta.list_topics()
             self.topics.update({m.name: m for m in metas})
             topics = [self._topic_metadata(m, owners) for m in sorted(metas, key=lambda m: m.name)
                       if self.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, m.name)]

@@ -13,6 +13,7 @@ from confluent_kafka import Producer
 
 from kafscale import _native
 from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.schemas import METADATA, OFFSET_COMMIT
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 from tests.integration.rawclient import RawClient
 from tests.integration.relay import Relay
@@ -155,3 +156,35 @@ def test_s3_outage_backpressure_then_recovery(make_broker, stack, topic_name):
     assert sorted(mine) == sorted(sent), "each produced record exactly once"
     for o, v in acked.items():
         assert values[o] == v
+
+
+def commit_raw(c: RawClient, group: str, topic: str, offset: int) -> int:
+    """A simple (generation -1) OffsetCommit of partition 0; its error code."""
+    part = {"partition_index": 0, "committed_offset": offset, "committed_metadata": None}
+    r = c.request(OFFSET_COMMIT.key, 8, {"group_id": group, "member_id": "",
+                                         "topics": [{"name": topic, "partitions": [part]}]})
+    return r["topics"][0]["partitions"][0]["error_code"]
+
+
+def test_etcd_outage_answers_errors_and_closes_no_connection(make_broker, stack, topic_name):
+    """While etcd is unreachable, Metadata is answered from what the broker
+    knows and OffsetCommit gets COORDINATOR_NOT_AVAILABLE (retriable), on a
+    connection that stays open; once etcd is back the same connection commits."""
+    relay = Relay(stack.etcd_port)
+    try:
+        b = make_broker(workers=1, etcd=f"127.0.0.1:{relay.port}", lease_ttl_s=30)
+        create_topic(b.bootstrap, topic_name)
+        c = RawClient(b.bootstrap, timeout=60)
+        group = f"g-{topic_name}"
+        assert commit_raw(c, group, topic_name, 5) == 0
+        relay.cut()
+        md = c.request(METADATA.key, 12, {"topics": None, "allow_auto_topic_creation": False,
+                                          "include_topic_authorized_operations": False})
+        assert [t["name"] for t in md["topics"]] == [topic_name] and md["brokers"]
+        assert commit_raw(c, group, topic_name, 6) == ErrorCode.COORDINATOR_NOT_AVAILABLE
+        relay.restore()
+        wait_for(lambda: commit_raw(c, group, topic_name, 7) == 0, 30, "commits once etcd is back")
+        c.close()
+        assert "closing the connection" not in b.log() and "closing:" not in b.log()
+    finally:
+        relay.close()
