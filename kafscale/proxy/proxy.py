@@ -94,6 +94,13 @@ class Proxy:
         await self.cluster.refresh()
         self.owners = await self.meta.owners()
         self.topic_names = {t.id: t.name for t in await self.meta.list_topics()}
+        # A broker whose lease expired (dead or paused) answers nothing more:
+        # fail what waits on it now, so that a Produce spanning many brokers is
+        # answered (NOT_LEADER_OR_FOLLOWER for its partitions, which the client
+        # retries at their new owner) instead of waiting out its timeout.
+        for mine in self.upstreams.values():
+            for broker in [b for b in mine if b not in self.cluster.brokers]:
+                await mine.pop(broker).close()
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -41,18 +41,18 @@ class Stream:
     """A librdkafka producer sending numbered records until stopped; keeps
     (partition, offset) -> value for every acked record."""
 
-    def __init__(self, boot: str, topic: str, partitions: int) -> None:
+    def __init__(self, boot: str, topic: str, partitions: int, request_timeout_ms: int = 4000) -> None:
         self.acked: dict[tuple[int, int], bytes] = {}
         self.failed = 0
         self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, args=(boot, topic, partitions))
+        self._t = threading.Thread(target=self._run, args=(boot, topic, partitions, request_timeout_ms))
         self._t.start()
 
-    def _run(self, boot: str, topic: str, partitions: int) -> None:
-        # short request timeouts: a SIGSTOPped broker keeps its TCP connections open, and
-        # librdkafka would otherwise wait out its 60 s default before trying elsewhere
+    def _run(self, boot: str, topic: str, partitions: int, request_timeout_ms: int) -> None:
+        # short request timeouts by default: a SIGSTOPped broker keeps its TCP connections
+        # open, and librdkafka would otherwise wait out its default before trying elsewhere
         p = Producer({"bootstrap.servers": boot, "acks": "all", "linger.ms": 2, "message.timeout.ms": 60000,
-                      "request.timeout.ms": 4000, "socket.timeout.ms": 4000})
+                      "request.timeout.ms": request_timeout_ms, "socket.timeout.ms": request_timeout_ms})
 
         def cb(err, msg) -> None:
             if err is None:

@@ -2,12 +2,15 @@
 brokers behind it are killed, restarted and added."""
 from __future__ import annotations
 
+import signal
+import time
+
 from confluent_kafka.admin import AdminClient
 
 from kafscale.broker.cluster import rendezvous
 from tests.conftest import BrokerProcess
 from tests.integration.clients import create_topic, kcat
-from tests.integration.test_cluster import Stream, drain_and_verify, leaders
+from tests.integration.test_cluster import Stream, bootstrap, check_all_acked_present, drain_and_verify, leaders
 from tests.integration.test_groups import Member, wait_for
 
 
@@ -39,3 +42,37 @@ def test_clients_only_know_the_proxy(make_cluster, topic_name, tmp_path, stack):
             extra.stop()
     out = kcat("-C", "-b", boot, "-t", topic_name, "-p", "0", "-c", "5", "-e", "-q", "-f", "%o\n").decode()
     assert out.split() == ["0", "1", "2", "3", "4"]
+
+
+def test_paused_owner_is_taken_over_through_the_proxy(make_cluster, topic_name):
+    """A broker SIGSTOPped past its lease: every partition acks again within
+    seconds through the proxy, the paused broker's at their new owner, with
+    the producer's default 30 s request timeout (one Produce through the proxy
+    spans every broker: the proxy fails what waits on a broker whose lease
+    expired, rather than letting it hold the others' acks), and no acked
+    record is lost."""
+    *brokers, proxy = make_cluster(3, proxy=True, lease_ttl_s=2, balance_interval_ms=500)
+    # a topic placed on all three brokers
+    topic_name = next(f"{topic_name}-{i}" for i in range(100)
+                      if len({rendezvous(f"p|{topic_name}-{i}|{p}", [1, 2, 3]) for p in range(6)}) == 3)
+    create_topic(proxy.bootstrap, topic_name, partitions=6)
+    direct = bootstrap(brokers)
+    wait_for(lambda: len(set(leaders(direct, topic_name).values())) == 3, 30, "partitions on all three brokers")
+    victim_id = leaders(direct, topic_name)[0]
+    victim = brokers[victim_id - 1]
+    stream = Stream(proxy.bootstrap, topic_name, 6, request_timeout_ms=30_000)
+
+    def acks(p: int) -> int:
+        return sum(1 for pp, _ in list(stream.acked) if pp == p)
+
+    try:
+        wait_for(lambda: all(acks(p) > 100 for p in range(6)), 60, "acks on every partition")
+        victim.signal(signal.SIGSTOP)
+        time.sleep(3)  # past its lease
+        before = {p: acks(p) for p in range(6)}
+        wait_for(lambda: all(acks(p) > before[p] + 100 for p in range(6)), 15,
+                 "every partition, the paused broker's included, to ack again through the proxy")
+    finally:
+        victim.signal(signal.SIGCONT)
+        stream.stop()
+    check_all_acked_present(direct, topic_name, 6, stream.acked)
