@@ -53,6 +53,7 @@ class Broker:
         self._opening: dict[tuple[str, int], asyncio.Future[PartitionLog]] = {}
         self.topics: dict[str, TopicMeta] = {}
         self._retention: asyncio.Task[None] | None = None
+        self._topic_watch: asyncio.Task[None] | None = None
         self._balancer: asyncio.Task[None] | None = None
         self._acl_refresher: asyncio.Task[None] | None = None
         self.closing = False  # shutting down: no partition is opened any more
@@ -80,6 +81,7 @@ class Broker:
         self.lease = lease
         await self.cluster.refresh()
         await self.groups.start()
+        self._topic_watch = asyncio.create_task(self._watch_topics(), name="topic watch")
         self._retention = asyncio.create_task(self._retention_loop(), name="retention")
         self._balancer = asyncio.create_task(self._balance_loop(), name="balancer")
         if self.authz.enabled:
@@ -154,6 +156,26 @@ class Broker:
         await self.groups.evict(lambda g: True)
         self.lease = new_lease
 
+    async def _watch_topics(self) -> None:
+        """Keep the topic cache current with what any broker changes in etcd
+        (partitions added, configs altered, topics deleted). After an etcd
+        outage the cache is read afresh, then watched again."""
+        while True:
+            try:
+                for meta in await self.meta.list_topics():
+                    await self.apply_topic_meta(meta)
+                async for name, meta in self.meta.watch_topics():
+                    if meta is not None:
+                        await self.apply_topic_meta(meta)
+                    elif self.topics.pop(name, None) is not None:
+                        for key in [k for k in self.logs if k[0] == name]:
+                            await self.logs.pop(key).close(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("watching topics failed (%r); reading them again in 1 s", exc)
+            await asyncio.sleep(1)
+
     async def _retention_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.retention_check_ms / 1000)
@@ -184,7 +206,7 @@ class Broker:
         first moment no partition is opened here any more (requests get
         NOT_LEADER_OR_FOLLOWER), so what is handed over stays handed over."""
         self.closing = True
-        for task in (self._retention, self._balancer, self._acl_refresher):
+        for task in (self._topic_watch, self._retention, self._balancer, self._acl_refresher):
             if task is not None:
                 task.cancel()
         await asyncio.gather(*self._opening.values(), return_exceptions=True)  # opened or failed: then released

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -142,6 +143,14 @@ class MetaStore:
         for kv in await self.client.get_prefix(base):
             out.append(TopicMeta.from_json(kv.key[len(base):].decode(), kv.value))
         return out
+
+    async def watch_topics(self) -> AsyncIterator[tuple[str, TopicMeta | None]]:
+        """Every later change of a topic key: (name, its new meta), or (name,
+        None) once deleted. Ends with an exception when etcd goes away."""
+        base = self.k("topics", "")
+        async for ev in await self.client.watch_prefix(base):
+            name = ev.kv.key[len(base):].decode()
+            yield name, None if ev.kind == "DELETE" else TopicMeta.from_json(name, ev.kv.value)
 
     async def delete_topic(self, name: str) -> None:
         tx = self.client.transactions

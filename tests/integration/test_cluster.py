@@ -232,3 +232,35 @@ def test_paused_coordinator_changes_no_group_state(make_cluster, topic_name):
     finally:
         a.signal(signal.SIGCONT)
         c.close()
+
+
+def test_every_broker_sees_topic_changes_at_once(make_cluster, topic_name):
+    """Partitions added, a config altered or the topic deleted through one
+    broker: the others' Metadata and configs follow within a second (they
+    watch the topic keys), not at their next retention pass."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource, NewPartitions
+
+    a, b = make_cluster(2, lease_ttl_s=2, balance_interval_ms=500)
+    create_topic(a.bootstrap, topic_name, partitions=1)
+
+    def partitions_seen_by_b() -> int:
+        md = AdminClient({"bootstrap.servers": b.bootstrap}).list_topics(topic_name, timeout=10)
+        t = md.topics[topic_name]
+        return -1 if t.error is not None else len(t.partitions)
+
+    assert partitions_seen_by_b() == 1  # b caches the topic now
+    admin_a = AdminClient({"bootstrap.servers": a.bootstrap})
+    admin_a.create_partitions([NewPartitions(topic_name, 3)])[topic_name].result(10)
+    wait_for(lambda: partitions_seen_by_b() == 3, 2, "broker 2 to see three partitions")
+    change = ConfigResource("topic", topic_name, incremental_configs=[
+        ConfigEntry("retention.ms", "12345", incremental_operation=AlterConfigOpType.SET)])
+    admin_a.incremental_alter_configs([change])[change].result(10)
+    admin_b = AdminClient({"bootstrap.servers": b.bootstrap})
+
+    def retention_seen_by_b() -> str:
+        res = ConfigResource("topic", topic_name)
+        return admin_b.describe_configs([res])[res].result(10)["retention.ms"].value
+
+    wait_for(lambda: retention_seen_by_b() == "12345", 2, "broker 2 to see the new retention.ms")
+    admin_a.delete_topics([topic_name])[topic_name].result(10)
+    wait_for(lambda: partitions_seen_by_b() == -1, 2, "broker 2 to forget the deleted topic")
