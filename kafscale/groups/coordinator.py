@@ -80,6 +80,8 @@ class Group:
     members: dict[str, Member] = field(default_factory=dict)
     pending: dict[str, float] = field(default_factory=dict)  # member ids handed out (MEMBER_ID_REQUIRED)
     rebalance_task: asyncio.Task[None] | None = None
+    persister: asyncio.Task[None] | None = None  # writes the group's state to etcd until it is there
+    dirty: bool = False  # state changed since the persister last wrote it
     join_earliest: float = 0.0  # a rebalance completes no sooner (initial delay of an empty group)
     join_deadline: float = 0.0  # members that have not rejoined by then are dropped
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -116,6 +118,11 @@ class GroupCoordinator:
         for g in self.groups.values():
             if g.rebalance_task:
                 g.rebalance_task.cancel()
+        writing = [g.persister for g in self.groups.values() if g.persister is not None and not g.persister.done()]
+        if writing:  # the next coordinator loads what is in etcd
+            await asyncio.wait(writing, timeout=2)
+            for t in writing:
+                t.cancel()
 
     async def _group(self, gid: str, create: bool = False) -> Group | None:
         """The group, loaded from etcd the first time this broker coordinates it
@@ -279,7 +286,7 @@ class GroupCoordinator:
         g.generation += 1
         if not g.members:
             g.state, g.protocol, g.leader = EMPTY, None, None
-            asyncio.get_running_loop().create_task(self._persist(g))
+            self._persist_later(g)
             return
         g.protocol = self._select_protocol(g)
         if g.leader not in g.members:
@@ -315,8 +322,14 @@ class GroupCoordinator:
                 given = {a["member_id"]: bytes(a["assignment"]) for a in req["assignments"]}
                 for x in g.members.values():
                     x.assignment = given.get(x.member_id, b"")
+                if not await self._save(g):  # members must not run an assignment a new coordinator lacks
+                    for x in g.members.values():
+                        if x.sync_future is not None and not x.sync_future.done() and x is not m:
+                            x.sync_future.set_exception(GroupError(ErrorCode.COORDINATOR_NOT_AVAILABLE))
+                        x.sync_future = None
+                    self._prepare_rebalance(g, "its state could not be saved")
+                    raise GroupError(ErrorCode.COORDINATOR_NOT_AVAILABLE)
                 g.state = STABLE
-                await self._persist(g)
                 for x in g.members.values():
                     if x.sync_future is not None and not x.sync_future.done():
                         x.sync_future.set_result(self._sync_response(g, x))
@@ -376,7 +389,7 @@ class GroupCoordinator:
             if not g.members:
                 g.state, g.protocol, g.leader = EMPTY, None, None
                 g.generation += 1
-                asyncio.get_running_loop().create_task(self._persist(g))
+                self._persist_later(g)
             else:
                 self._prepare_rebalance(g, f"member {m.member_id} {why}")
         else:
@@ -396,11 +409,30 @@ class GroupCoordinator:
                         if not waiting and now - m.last_heartbeat > m.session_timeout_ms / 1000:
                             self._remove(g, m, "session timed out")
 
-    async def _persist(self, g: Group) -> None:
+    async def _save(self, g: Group) -> bool:
+        """Write the group's state to etcd now; False (logged) if that failed."""
         try:
             await self.meta.save_group(g.group_id, g.to_json())
+            return True
         except Exception as exc:
             log.warning("group %s: could not save state to etcd: %r", g.group_id, exc)
+            return False
+
+    def _persist_later(self, g: Group) -> None:
+        """Have the group's state reach etcd, retrying while it fails; one
+        writer per group, always writing the newest state."""
+        g.dirty = True
+        if g.persister is None or g.persister.done():
+            g.persister = asyncio.create_task(self._persist_loop(g), name=f"persist group {g.group_id}")
+
+    async def _persist_loop(self, g: Group) -> None:
+        delay = 0.1
+        while g.dirty and self.groups.get(g.group_id) is g:  # an evicted group is another broker's now
+            g.dirty = False
+            if not await self._save(g):
+                g.dirty = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     # --------------------------------------------------------------- offsets
     async def commit_offsets(self, group_id: str, generation: int, member_id: str, instance: str | None,
