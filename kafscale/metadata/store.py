@@ -18,7 +18,9 @@ with the exact value this owner last wrote (it carries epoch and watermark),
 so an owner that was fenced by a newer epoch can never move the watermark."""
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
@@ -97,17 +99,54 @@ class SegmentManifest(_JsonRecord):
         return self.max_ts if self.max_ts >= 0 else self.created_ms
 
 
+CAS_ATTEMPTS = 50  # a compare-and-swap that keeps losing to other writers gives up after this many tries
+
+
+class Contended(RuntimeError):
+    """A compare-and-swap kept losing to concurrent writers."""
+
+
+async def _cas_attempts(what: str) -> AsyncIterator[int]:
+    """Attempt numbers for a compare-and-swap loop, with a growing random
+    backoff between them; Contended once they are used up."""
+    for attempt in range(CAS_ATTEMPTS):
+        if attempt:
+            await asyncio.sleep(random.uniform(0, min(0.001 * 2 ** attempt, 0.2)))
+        yield attempt
+    raise Contended(f"{what}: etcd compare-and-swap failed {CAS_ATTEMPTS} times (concurrent writers)")
+
+
+def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
+    """host:port[,host:port...] (an http:// prefix is accepted) as (host, port) pairs."""
+    out = []
+    for ep in endpoints.split(","):
+        host, _, port = ep.strip().removeprefix("http://").partition(":")
+        out.append((host or "127.0.0.1", int(port or 2379)))
+    return out
+
+
 class MetaStore:
     def __init__(self, endpoints: str, cluster: str = "default") -> None:
-        host, _, port = endpoints.split(",")[0].removeprefix("http://").partition(":")
-        self._host, self._port = host or "127.0.0.1", int(port or 2379)
+        self.endpoints = parse_endpoints(endpoints)
         self.prefix = f"/kafscale/{cluster}/"
         self.client: Any = None
 
     async def start(self) -> None:
-        self.client = aetcd.Client(host=self._host, port=self._port, timeout=10)
-        await self.client.connect()
-        await self.client.status()  # fail fast if etcd is unreachable
+        """Connect to the first endpoint that answers (fail fast if none does)."""
+        error: Exception | None = None
+        for host, port in self.endpoints:
+            client = aetcd.Client(host=host, port=port, timeout=10)
+            try:
+                await client.connect()
+                await client.status()
+            except Exception as exc:
+                error = exc
+                await client.close()
+                continue
+            self.client = client
+            return
+        assert error is not None
+        raise error
 
     async def ping(self) -> None:
         await self.client.status()
@@ -165,7 +204,7 @@ class MetaStore:
         """Replace a topic's config and/or grow its partition count, atomically
         against concurrent updates."""
         tx = self.client.transactions
-        while True:
+        async for _ in _cas_attempts(f"update of topic {name}"):
             r = await self.client.get(self.k("topics", name))
             if r is None:
                 raise KeyError(name)
@@ -230,7 +269,7 @@ class MetaStore:
 
     async def claim_partition(self, topic: str, p: int, broker_id: int) -> tuple[PartitionState, bytes]:
         """Take ownership with a new epoch; returns the state and its raw value."""
-        while True:
+        async for _ in _cas_attempts(f"claim of {topic}/{p}"):
             cur = await self.get_partition(topic, p)
             if cur is None:
                 raise KeyError(f"{topic}/{p}")
@@ -315,7 +354,7 @@ class MetaStore:
     async def next_producer_id(self) -> int:
         key = self.k("producer_ids")
         tx = self.client.transactions
-        while True:
+        async for _ in _cas_attempts("producer id allocation"):
             r = await self.client.get(key)
             cur = int(r.value) if r is not None else 0
             cmp = tx.value(key) == r.value if r is not None else tx.version(key) == 0

@@ -12,6 +12,7 @@ import time
 from confluent_kafka import Producer
 
 from kafscale import _native
+from kafscale.devstack import free_port
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.schemas import METADATA, OFFSET_COMMIT
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
@@ -188,3 +189,10 @@ def test_etcd_outage_answers_errors_and_closes_no_connection(make_broker, stack,
         assert "closing the connection" not in b.log() and "closing:" not in b.log()
     finally:
         relay.close()
+
+
+def test_a_broker_uses_the_next_etcd_endpoint_when_the_first_is_down(make_broker, stack, topic_name):
+    dead = free_port()
+    b = make_broker(workers=1, etcd=f"127.0.0.1:{dead},{stack.etcd_endpoint}")
+    create_topic(b.bootstrap, topic_name)
+    assert confluent_produce(b.bootstrap, topic_name, [Rec(None, b"v")]) == [0]
