@@ -160,6 +160,8 @@ class Worker:
         if closed:
             view.stop_reading()
             self.views.pop((topic, p), None)
+            if not any(t == topic for t, _ in self.views):  # no view names the topic: forget its id
+                self.topic_ids = {i: n for i, n in self.topic_ids.items() if n != topic}
         elif manifest is None or manifest["base"] >= view.hw:  # not already in the view's snapshot
             view.apply(max(hw, view.hw), log_start, manifest, ref)
 

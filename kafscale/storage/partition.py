@@ -36,6 +36,8 @@ MAX_UNCOMMITTED = 8  # segments of one partition built and not yet committed (bo
 
 # how many of a producer's last batches are remembered for the duplicate check (Kafka: 5)
 PRODUCER_BATCHES = 5
+# a producer that wrote nothing for this long is forgotten (Kafka's producer.id.expiration.ms)
+PRODUCER_EXPIRY_MS = 24 * 3600 * 1000
 
 
 @dataclass
@@ -55,6 +57,7 @@ class _Pending:
 @dataclass
 class _ProducerState:
     epoch: int
+    last_ms: int  # when it last wrote here (wall clock ms): state idle past PRODUCER_EXPIRY_MS is dropped
     recent: deque[tuple[int, int, int]] = field(  # first seq, last seq, base offset
         default_factory=lambda: deque(maxlen=PRODUCER_BATCHES))
 
@@ -90,6 +93,7 @@ class PartitionLog(LogReader):
         self._upload_slots = asyncio.Semaphore(MAX_UPLOADS)
         self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
         self._producers: dict[int, _ProducerState] = {}
+        self._producers_pruned_ms = 0
         self.closed = False
         self._on_change = on_change  # a segment committed (with it), the log start moved or the log closed
 
@@ -192,10 +196,16 @@ class PartitionLog(LogReader):
     def _check_sequence(self, first: _native.BatchInfo) -> int | None:
         """Idempotent producer bookkeeping: returns the original base offset for
         a retried duplicate, None for the next batch in sequence."""
+        now_ms = int(time.time() * 1000)
+        if now_ms > self._producers_pruned_ms + 60_000:
+            self._producers = {pid: st for pid, st in self._producers.items()
+                               if st.last_ms > now_ms - PRODUCER_EXPIRY_MS}
+            self._producers_pruned_ms = now_ms
         st = self._producers.get(first.producer_id)
         if st is None or first.producer_epoch > st.epoch:
-            self._producers[first.producer_id] = _ProducerState(first.producer_epoch)
+            self._producers[first.producer_id] = _ProducerState(first.producer_epoch, now_ms)
             return None
+        st.last_ms = now_ms
         if first.producer_epoch < st.epoch:
             raise LogError(ErrorCode.INVALID_PRODUCER_EPOCH, "producer epoch is older than the current one")
         for first_seq, _, base in st.recent:
@@ -395,10 +405,14 @@ def producer_states(segments: list[SegmentManifest]) -> dict[int, _ProducerState
     """Each producer's epoch and last batches, from the manifests of the
     committed segments (oldest first): what an owner had in memory."""
     states: dict[int, _ProducerState] = {}
+    expired = int(time.time() * 1000) - PRODUCER_EXPIRY_MS
     for m in segments:
+        if m.created_ms < expired:
+            continue
         for pid, (epoch, batches) in m.producers.items():
             st = states.get(int(pid))
             if st is None or epoch > st.epoch:
-                st = states[int(pid)] = _ProducerState(epoch)
+                st = states[int(pid)] = _ProducerState(epoch, m.created_ms)
+            st.last_ms = m.created_ms
             st.recent.extend(tuple(b) for b in batches)
     return states
