@@ -284,6 +284,11 @@ class Broker:
             fut.set_exception(exc)
             fut.exception()
             raise
+        except KeyError as exc:  # the topic was deleted meanwhile
+            err = LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, str(exc))
+            fut.set_exception(err)
+            fut.exception()
+            raise err from exc
         except Exception as exc:  # etcd unreachable or similar: clients retry on this code
             log.warning("cannot open %s/%d: %r", topic, p, exc)
             err = LogError(ErrorCode.LEADER_NOT_AVAILABLE, f"partition {topic}/{p} is not available: {exc}")

@@ -2,6 +2,7 @@
 
   topics/{name}                  {"id": hex uuid, "partitions": n, "config": {...}}
   partitions/{topic}/{p}         {"owner": broker id, "epoch": n, "hw": n, "log_start": n}
+                                 (written by the partition's first claim: none for unused partitions)
   segments/{topic}/{p}/{base}    manifest of one committed segment (base 20 digits)
   brokers/{id}                   {"host": ..., "port": ...} on the broker's lease
   owners/{topic}/{p}             id of the broker that owns the partition, on its lease
@@ -161,13 +162,12 @@ class MetaStore:
 
     # ------------------------------------------------------------------ topics
     async def create_topic(self, name: str, partitions: int, config: dict[str, str]) -> TopicMeta:
+        """One etcd operation whatever the partition count: a partition's key is
+        written when it is first claimed (see claim_partition)."""
         meta = TopicMeta(name, uuid.uuid4().bytes, partitions, config)
         tx = self.client.transactions
-        ops = [tx.put(self.k("topics", name), meta.to_json())]
-        empty = PartitionState(-1, 0, 0, 0).to_json()
-        ops += [tx.put(self.k("partitions", name, p), empty) for p in range(partitions)]
-        ok, _ = await self.client.transaction(compare=[tx.version(self.k("topics", name)) == 0], success=ops,
-                                              failure=[])
+        ok, _ = await self.client.transaction(compare=[tx.version(self.k("topics", name)) == 0],
+                                              success=[tx.put(self.k("topics", name), meta.to_json())], failure=[])
         if not ok:
             raise TopicExists(name)
         return meta
@@ -209,16 +209,13 @@ class MetaStore:
             if r is None:
                 raise KeyError(name)
             meta = TopicMeta.from_json(name, r.value)
-            old = meta.partitions
             if config is not None:
                 meta.config = config
             if partitions is not None:
                 meta.partitions = partitions
-            empty = PartitionState(-1, 0, 0, 0).to_json()
-            ops = [tx.put(self.k("topics", name), meta.to_json())]
-            ops += [tx.put(self.k("partitions", name, p), empty) for p in range(old, meta.partitions)]
             ok, _ = await self.client.transaction(compare=[tx.value(self.k("topics", name)) == r.value],
-                                                  success=ops, failure=[])
+                                                  success=[tx.put(self.k("topics", name), meta.to_json())],
+                                                  failure=[])
             if ok:
                 return meta
 
@@ -268,20 +265,23 @@ class MetaStore:
         return PartitionState(**json.loads(r.value)), r.value
 
     async def claim_partition(self, topic: str, p: int, broker_id: int) -> tuple[PartitionState, bytes]:
-        """Take ownership with a new epoch; returns the state and its raw value."""
+        """Take ownership with a new epoch; returns the state and its raw value.
+        A partition never claimed has no key yet: the first claim creates it,
+        and only while the topic exists (KeyError once it was deleted)."""
+        key, topic_key = self.k("partitions", topic, p), self.k("topics", topic)
+        tx = self.client.transactions
         async for _ in _cas_attempts(f"claim of {topic}/{p}"):
             cur = await self.get_partition(topic, p)
-            if cur is None:
-                raise KeyError(f"{topic}/{p}")
-            state, raw = cur
+            state, same = (cur[0], tx.value(key) == cur[1]) if cur else (PartitionState(-1, 0, 0, 0),
+                                                                           tx.version(key) == 0)
             new = PartitionState(broker_id, state.epoch + 1, state.hw, state.log_start)
             new_raw = new.to_json()
-            tx = self.client.transactions
-            ok, _ = await self.client.transaction(compare=[tx.value(self.k("partitions", topic, p)) == raw],
-                                                  success=[tx.put(self.k("partitions", topic, p), new_raw)],
-                                                  failure=[])
+            ok, _ = await self.client.transaction(compare=[same, tx.version(topic_key) > 0],
+                                                  success=[tx.put(key, new_raw)], failure=[])
             if ok:
                 return new, new_raw
+            if await self.client.get(topic_key) is None:
+                raise KeyError(f"topic {topic} does not exist")
 
     async def commit_segment(self, topic: str, p: int, expected_raw: bytes, new_state: PartitionState,
                              manifest: SegmentManifest) -> bytes:

@@ -12,7 +12,7 @@ import time
 import aetcd
 import pytest
 from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from kafscale import _native
 from kafscale.protocol.errors import ErrorCode
@@ -227,3 +227,22 @@ def test_segments_cli(make_broker, topic_name):
     assert 'offset=0' in dump.stdout and 'key="key-1" value="value-1" headers=h="x"' in dump.stdout
     assert 'offset=1' in dump.stdout and 'key=null value="compressible compressible' in dump.stdout
     assert "codec zstd" in dump.stdout
+
+
+def test_topics_of_ten_thousand_partitions(broker, topic_name, stack):
+    """CreateTopics, CreatePartitions and DeleteTopics take one etcd operation
+    whatever the partition count (partition keys are written by their first
+    claim): 10,000 partitions are created, listed, grown, used and deleted."""
+    from confluent_kafka.admin import NewPartitions
+
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    admin.create_topics([NewTopic(topic_name, num_partitions=9_000)])[topic_name].result(60)
+    admin.create_partitions([NewPartitions(topic_name, 10_000)])[topic_name].result(60)
+    md = admin.list_topics(topic_name, timeout=30)
+    assert len(md.topics[topic_name].partitions) == 10_000
+    for p in (0, 9_999):
+        assert confluent_produce(broker.bootstrap, topic_name, [Rec(None, b"p%d" % p)], partition=p) == [0]
+    assert len(etcd_keys(stack, f"/kafscale/{broker.cluster}/partitions/{topic_name}/")) == 2  # only those used
+    admin.delete_topics([topic_name])[topic_name].result(60)
+    assert etcd_keys(stack, f"/kafscale/{broker.cluster}/partitions/{topic_name}/") == []
+    assert topic_name not in admin.list_topics(timeout=10).topics
