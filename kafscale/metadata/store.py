@@ -100,6 +100,19 @@ class SegmentManifest(_JsonRecord):
         return self.max_ts if self.max_ts >= 0 else self.created_ms
 
 
+def key_part(name: object) -> str:
+    """A name as one etcd key segment: '%' and '/' escaped, so that group
+    "shared" (offsets/shared/...) no longer prefixes group "shared/prod"
+    (offsets/shared%2Fprod/...). Names without either are unchanged."""
+    return str(name).replace("%", "%25").replace("/", "%2F")
+
+
+def name_of(part: bytes | str) -> str:
+    """The name one key segment stands for (the inverse of key_part)."""
+    text = part.decode() if isinstance(part, bytes) else part
+    return text.replace("%2F", "/").replace("%25", "%")
+
+
 CAS_ATTEMPTS = 50  # a compare-and-swap that keeps losing to other writers gives up after this many tries
 
 
@@ -158,7 +171,9 @@ class MetaStore:
             self.client = None
 
     def k(self, *parts: object) -> bytes:
-        return (self.prefix + "/".join(str(p) for p in parts)).encode()
+        """The key of parts under this cluster's prefix, each part escaped
+        (see key_part) so that no name's keys fall under another's prefix."""
+        return (self.prefix + "/".join(key_part(p) for p in parts)).encode()
 
     # ------------------------------------------------------------------ topics
     async def create_topic(self, name: str, partitions: int, config: dict[str, str]) -> TopicMeta:
@@ -180,7 +195,7 @@ class MetaStore:
         base = self.k("topics", "")
         out = []
         for kv in await self.client.get_prefix(base):
-            out.append(TopicMeta.from_json(kv.key[len(base):].decode(), kv.value))
+            out.append(TopicMeta.from_json(name_of(kv.key[len(base):]), kv.value))
         return out
 
     async def watch_topics(self) -> AsyncIterator[tuple[str, TopicMeta | None]]:
@@ -188,7 +203,7 @@ class MetaStore:
         None) once deleted. Ends with an exception when etcd goes away."""
         base = self.k("topics", "")
         async for ev in await self.client.watch_prefix(base):
-            name = ev.kv.key[len(base):].decode()
+            name = name_of(ev.kv.key[len(base):])
             yield name, None if ev.kind == "DELETE" else TopicMeta.from_json(name, ev.kv.value)
 
     async def delete_topic(self, name: str) -> None:
@@ -318,7 +333,7 @@ class MetaStore:
         out = {}
         for kv in await self.client.get_prefix(base):
             topic, _, p = kv.key[len(base):].decode().rpartition("/")
-            out[(topic, int(p))] = json.loads(kv.value)
+            out[(name_of(topic), int(p))] = json.loads(kv.value)
         return out
 
     async def delete_offsets(self, group: str, topic: str | None = None) -> None:
@@ -347,7 +362,7 @@ class MetaStore:
 
     async def group_names_with_offsets(self) -> set[str]:
         base = self.k("offsets", "")
-        return {kv.key[len(base):].decode().split("/", 1)[0]
+        return {name_of(kv.key[len(base):].decode().split("/", 1)[0])
                 for kv in await self.client.get_prefix(base, keys_only=True)}
 
     # ------------------------------------------------------------- producers
@@ -386,7 +401,7 @@ class MetaStore:
         out = {}
         for kv in await self.client.get_prefix(base):
             topic, _, p = kv.key[len(base):].decode().rpartition("/")
-            out[(topic, int(p))] = int(kv.value)
+            out[(name_of(topic), int(p))] = int(kv.value)
         return out
 
     async def owner_of(self, topic: str, p: int) -> int | None:
@@ -410,7 +425,7 @@ class MetaStore:
 
     async def list_users(self) -> list[str]:
         base = self.k("users", "")
-        return sorted(kv.key[len(base):].decode() for kv in await self.client.get_prefix(base, keys_only=True))
+        return sorted(name_of(kv.key[len(base):]) for kv in await self.client.get_prefix(base, keys_only=True))
 
     async def put_acls(self, acls: list[AclBinding]) -> None:
         tx = self.client.transactions

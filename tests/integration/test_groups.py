@@ -345,3 +345,18 @@ def test_live_group_survives_broker_sigkill(make_broker, topic_name, tmp_path):
         assert "joined" not in since_restart and "preparing rebalance" not in since_restart
     finally:
         m.stop()
+
+
+def test_deleting_a_group_leaves_groups_named_under_it(broker, topic_name):
+    """Group names are escaped in etcd keys: DeleteGroups("shared") must not
+    delete the committed offsets of group "shared/prod"."""
+    create_topic(broker.bootstrap, topic_name)
+    shared, prod = f"shared-{topic_name}", f"shared-{topic_name}/prod"
+    for group, offset in ((shared, 3), (prod, 7)):
+        c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group})
+        c.commit(offsets=[TopicPartition(topic_name, 0, offset)], asynchronous=False)
+        c.close()
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    admin.delete_consumer_groups([shared])[shared].result(10)
+    res = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(prod)])[prod].result(10)
+    assert [(tp.partition, tp.offset) for tp in res.topic_partitions] == [(0, 7)]
