@@ -50,8 +50,7 @@ class AdminApi:
                 r["error_code"] = ErrorCode.INVALID_REQUEST
                 r["error_message"] = "manual replica assignment is not supported"
             elif not req["validate_only"]:
-                self.broker.topics[meta.name] = await self.broker.meta.update_topic(meta.name,
-                                                                                    partitions=t["count"])
+                self.broker.topics.put(await self.broker.meta.update_topic(meta.name, partitions=t["count"]))
         return {"throttle_time_ms": 0, "results": results}
 
     # ---------------------------------------------------------------- configs

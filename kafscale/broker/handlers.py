@@ -17,7 +17,7 @@ from kafscale.config import Config
 from kafscale.groups.api import GroupApi
 from kafscale.groups.coordinator import GroupCoordinator
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import MetaStore, SegmentManifest, TopicExists, TopicMeta, unavailable
+from kafscale.metadata.store import MetaStore, SegmentManifest, TopicCache, TopicExists, TopicMeta, unavailable
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
@@ -51,7 +51,7 @@ class Broker:
         self.on_change: Callable[[PartitionLog, SegmentManifest | None], None] = lambda lg, m: None
         self.logs: dict[tuple[str, int], PartitionLog] = {}
         self._opening: dict[tuple[str, int], asyncio.Future[PartitionLog]] = {}
-        self.topics: dict[str, TopicMeta] = {}
+        self.topics = TopicCache()
         self._retention: asyncio.Task[None] | None = None
         self._topic_watch: asyncio.Task[None] | None = None
         self._balancer: asyncio.Task[None] | None = None
@@ -167,7 +167,7 @@ class Broker:
                 async for name, meta in self.meta.watch_topics():
                     if meta is not None:
                         await self.apply_topic_meta(meta)
-                    elif self.topics.pop(name, None) is not None:
+                    elif self.topics.pop(name) is not None:
                         for key in [k for k in self.logs if k[0] == name]:
                             await self.logs.pop(key).close(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
             except asyncio.CancelledError:
@@ -189,7 +189,7 @@ class Broker:
         removed = 0
         now_ms = int(time.time() * 1000)
         for meta in await self.meta.list_topics():
-            self.topics[meta.name] = meta
+            self.topics.put(meta)
             ms = topic_config.value(meta.config, "retention.ms", self.cfg)
             size = topic_config.value(meta.config, "retention.bytes", self.cfg)
             if ms < 0 and size < 0:
@@ -229,22 +229,17 @@ class Broker:
                 except TopicExists:
                     meta = await self.meta.get_topic(name)
             if meta is not None:
-                self.topics[name] = meta
+                self.topics.put(meta)
         return meta
 
     async def topic_by_id(self, topic_id: bytes) -> TopicMeta | None:
-        for meta in self.topics.values():
-            if meta.id == topic_id:
-                return meta
-        for meta in await self.meta.list_topics():
-            self.topics[meta.name] = meta
-            if meta.id == topic_id:
-                return meta
-        return None
+        """From the topic cache, which the topic watch keeps current: a request
+        naming thousands of ids costs no etcd reads."""
+        return self.topics.by_id(topic_id)
 
     async def apply_topic_meta(self, meta: TopicMeta) -> None:
         """Adopt a topic's new configuration in the cache and its open logs."""
-        self.topics[meta.name] = meta
+        self.topics.put(meta)
         for (name, _), lg in self.logs.items():
             if name == meta.name:
                 self._configure(lg, meta)
@@ -331,7 +326,8 @@ class Broker:
             owners, etcd_down = {}, True
         if wanted is None or (hdr.api_version == 0 and not wanted):
             metas = list(self.topics.values()) if etcd_down else await self.meta.list_topics()
-            self.topics.update({m.name: m for m in metas})
+            for m in metas:
+                self.topics.put(m)
             topics = [self._topic_metadata(m, owners) for m in sorted(metas, key=lambda m: m.name)
                       if self.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, m.name)]
         else:
@@ -494,7 +490,7 @@ class Broker:
             else:
                 try:
                     meta = await self.meta.create_topic(name, n, {k: v for k, v in configs.items() if v is not None})
-                    self.topics[name] = meta
+                    self.topics.put(meta)
                     r["topic_id"] = meta.id
                     log.info("created topic %s with %d partitions", name, n)
                 except TopicExists:
@@ -527,7 +523,7 @@ class Broker:
         """Delete a topic's etcd keys and then its objects."""
         for key in [k for k in self.logs if k[0] == name]:
             await self.logs.pop(key).close(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
-        self.topics.pop(name, None)
+        self.topics.pop(name)
         await self.meta.delete_topic(name)
         prefix = f"{self.cfg.namespace}/{name}/"
         self.cache.drop_prefix(prefix)

@@ -65,6 +65,35 @@ class TopicMeta:
         return cls(name, bytes.fromhex(d["id"]), d["partitions"], d.get("config", {}))
 
 
+class TopicCache:
+    """The topics a broker knows, by name and by id (for requests that name
+    topics by id: one lookup each, no etcd read)."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, TopicMeta] = {}
+        self._by_id: dict[bytes, TopicMeta] = {}
+
+    def get(self, name: str) -> TopicMeta | None:
+        return self._by_name.get(name)
+
+    def by_id(self, topic_id: bytes) -> TopicMeta | None:
+        return self._by_id.get(topic_id)
+
+    def values(self) -> list[TopicMeta]:
+        return list(self._by_name.values())
+
+    def put(self, meta: TopicMeta) -> None:
+        self.pop(meta.name)
+        self._by_name[meta.name] = meta
+        self._by_id[meta.id] = meta
+
+    def pop(self, name: str) -> TopicMeta | None:
+        meta = self._by_name.pop(name, None)
+        if meta is not None:
+            self._by_id.pop(meta.id, None)
+        return meta
+
+
 class _JsonRecord:
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()  # type: ignore[call-overload]

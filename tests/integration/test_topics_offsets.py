@@ -17,7 +17,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from kafscale import _native
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import decode_response, encode_request
-from kafscale.protocol.schemas import CREATE_TOPICS, FETCH, LIST_OFFSETS, PRODUCE
+from kafscale.protocol.schemas import CREATE_TOPICS, FETCH, LIST_OFFSETS, METADATA, PRODUCE
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic, sample_records
 from tests.integration.rawclient import RawClient
 
@@ -32,6 +32,16 @@ def etcd_keys(stack, prefix: str) -> list[bytes]:
         async with aetcd.Client(host=host, port=int(port)) as c:
             return [kv.key for kv in await c.get_prefix(prefix.encode())]
     return asyncio.run(run())
+
+
+def etcd_requests(stack, method: str) -> int:
+    """How many requests of one gRPC method (Range, Txn, ...) etcd has handled, from its own /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{stack.etcd_endpoint}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("grpc_server_handled_total{") and f'grpc_method="{method}"' in line)
 
 
 def create_raw(c: RawClient, name: str, partitions: int = 1, rf: int = -1, configs=(), validate_only=False):
@@ -246,3 +256,22 @@ def test_topics_of_ten_thousand_partitions(broker, topic_name, stack):
     admin.delete_topics([topic_name])[topic_name].result(60)
     assert etcd_keys(stack, f"/kafscale/{broker.cluster}/partitions/{topic_name}/") == []
     assert topic_name not in admin.list_topics(timeout=10).topics
+
+
+def test_metadata_by_topic_id_costs_no_etcd_read_per_id(broker, topic_name, stack):
+    """5,000 topic ids in one Metadata request are resolved from the broker's
+    topic cache: etcd serves a handful of reads, not one listing per id."""
+    create_topic(broker.bootstrap, topic_name)
+    c = RawClient(broker.bootstrap)
+    md = c.request(METADATA.key, 12, {"topics": [{"name": topic_name, "topic_id": bytes(16)}],
+                                      "allow_auto_topic_creation": False, "include_topic_authorized_operations": False})
+    known = md["topics"][0]["topic_id"]
+    before = etcd_requests(stack, "Range")
+    ids = [os.urandom(16) for _ in range(5_000)] + [known]
+    md = c.request(METADATA.key, 12, {"topics": [{"name": None, "topic_id": i} for i in ids],
+                                      "allow_auto_topic_creation": False, "include_topic_authorized_operations": False})
+    reads = etcd_requests(stack, "Range") - before
+    c.close()
+    assert [t["error_code"] for t in md["topics"]] == [ErrorCode.UNKNOWN_TOPIC_ID] * 5_000 + [0]
+    assert md["topics"][-1]["name"] == topic_name
+    assert reads < 50, f"{reads} etcd reads for one Metadata request"
