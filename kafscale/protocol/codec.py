@@ -267,14 +267,11 @@ class _StructCodec:
         s = _PRIMS.get(t)
         if s is not None:
             return r.prim(s)
-        v = self.version
         flex = self.flexible
         if t == "string":
             n = self._len(r, flex, False)
             if n < 0:
-                if not f.nullable(v):
-                    raise DecodeError(f"null for non-nullable string {f.name}")
-                return None
+                return self._null(f)
             try:
                 return str(r.take(n), "utf-8")
             except UnicodeDecodeError as exc:
@@ -282,7 +279,7 @@ class _StructCodec:
         if t in ("bytes", "records"):
             n = self._len(r, flex, True)
             if n < 0:
-                return None
+                return self._null(f)
             return r.take(n)
         if t == "bool":
             return r.take(1)[0] != 0
@@ -291,7 +288,7 @@ class _StructCodec:
         if t == "array":
             n = self._len(r, flex, True)
             if n < 0:
-                return None
+                return self._null(f)
             if n > r.end - r.pos:  # each element takes at least one byte
                 raise DecodeError(f"array {f.name} claims {n} elements")
             if f.item is not None:
@@ -302,6 +299,13 @@ class _StructCodec:
         if t == "struct":
             return self.children[f.name].decode(r)
         raise DecodeError(f"unknown type {t}")
+
+    def _null(self, f: Field) -> None:
+        """A negative length: null where the field may be null, else malformed
+        (a handler must never see None where the schema promises a value)."""
+        if not f.nullable(self.version):
+            raise DecodeError(f"null (negative length) for non-nullable {f.type} {f.name}")
+        return None
 
     # -- encode
     def encode(self, w: Writer, obj: dict[str, Any]) -> None:

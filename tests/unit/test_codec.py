@@ -7,7 +7,7 @@ import pytest
 
 from kafscale.protocol.codec import DecodeError, Message, Writer, parse_schema
 from kafscale.protocol.framing import decode_response, encode_request, encode_response, parse_request_header
-from kafscale.protocol.schemas import API_VERSIONS, APIS, FETCH, METADATA, PRODUCE
+from kafscale.protocol.schemas import API_VERSIONS, APIS, CREATE_TOPICS, FETCH, METADATA, PRODUCE
 
 
 def encode(msg: Message, body: dict, v: int) -> bytes:
@@ -136,3 +136,13 @@ def test_decoded_requests_carry_every_field():
     req, _ = OFFSET_COMMIT.request.decode(memoryview(data), 2)
     assert req["group_instance_id"] is None and req["generation_id_or_member_epoch"] == -1
     assert req["topics"][0]["partitions"][0]["committed_leader_epoch"] == -1
+
+
+def test_negative_length_on_a_non_nullable_field_is_malformed():
+    """CreateTopics v4 with topics of length -1 is a malformed request, not a
+    None a handler trips over; nullable fields (Metadata topics) still take null."""
+    body = struct.pack(">i", -1) + struct.pack(">i", 1000) + b"\x00"  # topics=-1, timeout_ms, validate_only
+    with pytest.raises(DecodeError, match="non-nullable array topics"):
+        CREATE_TOPICS.request.decode(memoryview(body), 4)
+    md, _ = METADATA.request.decode(memoryview(struct.pack(">i", -1) + b"\x01" + b"\x00\x00"), 8)
+    assert md["topics"] is None
