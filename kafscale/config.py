@@ -60,7 +60,14 @@ class Config:
     workers: int = _opt(0, "protocol worker processes (0: one per CPU core)")
     ring_bytes: int = _opt(64 * 1024 * 1024, "shared-memory produce buffer per worker; when full, produce gets "
                            "a retriable error (backpressure)")
-    max_request_bytes: int = _opt(100 * 1024 * 1024, "largest request frame accepted")
+    max_request_bytes: int = _opt(100 * 1024 * 1024, "largest request frame accepted (before SASL "
+                                  "authentication: 512 KiB)")
+    queued_max_request_bytes: int = _opt(256 * 1024 * 1024, "request bytes a protocol worker (or the proxy) "
+                                         "holds at once across its connections; reading waits beyond it")
+    request_read_timeout_s: int = _opt(30, "a request frame must arrive whole within this many seconds of its "
+                                       "size prefix, or the connection is closed")
+    connections_max_idle_ms: int = _opt(600_000, "a connection with no request for this long, and none pending, "
+                                        "is closed (Kafka's connections.max.idle.ms)")
     max_message_bytes: int = _opt(1024 * 1024 + 1024, "largest record batch accepted (max.message.bytes)")
     lease_ttl_s: int = _opt(6, "etcd lease TTL: a dead broker's partitions move after about this long")
     balance_interval_ms: int = _opt(2000, "how often a broker re-reads membership and hands partitions over")

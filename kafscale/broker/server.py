@@ -34,7 +34,48 @@ log = logging.getLogger(__name__)
 
 _SIZE = struct.Struct(">i")
 MAX_IN_FLIGHT = 64
+# the largest frame a connection may send before it authenticated (Kafka's sasl.server.max.receive.size)
+UNAUTHENTICATED_MAX_FRAME = 512 * 1024
 _conn_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one client may make a listener hold, and for how long."""
+    max_request_bytes: int  # the largest frame
+    queued_request_bytes: int  # request bytes held at once across all connections: reading waits beyond it
+    read_timeout_s: float  # a frame must arrive whole this soon after its size prefix
+    idle_timeout_s: float  # a connection with no request for this long, and none pending, is closed
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ConnectionLimits:
+        return cls(cfg.max_request_bytes, max(cfg.queued_max_request_bytes, cfg.max_request_bytes),
+                   cfg.request_read_timeout_s, cfg.connections_max_idle_ms / 1000)
+
+
+class ByteBudget:
+    """Request bytes a listener holds: take() waits while the budget is spent
+    (the client's socket is then not read: TCP pushes back), give() returns
+    them when the request is done. One frame may always be held alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    async def take(self, n: int) -> None:
+        while self.used and self.used + n > self.limit:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            await fut
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
 Handler = Callable[[RequestHeader, dict[str, Any]], Awaitable[dict[str, Any] | None]]
 # Answers a request this process has no handler for (a worker asks its log process).
@@ -64,6 +105,7 @@ class Session:
     exchange: SaslExchange | None = None
     raw_tokens: bool = False  # after SaslHandshake v0: bare size-prefixed SASL tokens, no Kafka framing
     closing: bool = False  # authentication failed: close once the answer is sent
+    in_flight: int = 0  # requests read and not yet answered: the connection is not idle
     # run when the connection ends (the proxy closes this client's upstream connections)
     on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
@@ -122,7 +164,7 @@ def parse_header(frame: memoryview) -> tuple[RequestHeader, int]:
 
 
 class KafkaServer:
-    def __init__(self, handlers: dict[int, Handler], host: str, port: int, max_request_bytes: int,
+    def __init__(self, handlers: dict[int, Handler], host: str, port: int, limits: ConnectionLimits,
                  reuse_port: bool = False, forward: Forward | None = None, ssl: ssl_mod.SSLContext | None = None,
                  sasl: SaslSettings | None = None) -> None:
         self.handlers = handlers
@@ -133,7 +175,8 @@ class KafkaServer:
         self.forward = forward
         self.host = host
         self.port = port
-        self.max_request_bytes = max_request_bytes
+        self.limits = limits
+        self.budget = ByteBudget(limits.queued_request_bytes)
         self.reuse_port = reuse_port
         self._server: asyncio.base_events.Server | None = None
         self._conns: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
@@ -168,9 +211,9 @@ class KafkaServer:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._conns[task] = writer
+        me = asyncio.current_task()
+        assert me is not None
+        self._conns[me] = writer
         conn = next(_conn_ids)
         peer = writer.get_extra_info("peername")
         client_host = f"/{peer[0]}" if isinstance(peer, tuple) else ""
@@ -185,18 +228,25 @@ class KafkaServer:
         SESSION.set(session)  # request tasks copy this context
         try:
             while not sender.done():
-                frame = await self._read_frame(reader, 1 if session.raw_tokens else 8)
+                frame = await self._read_frame(reader, session)
                 if frame is None:
                     break
-                if session.raw_tokens:
-                    hdr = RequestHeader(SASL_AUTHENTICATE.key, 0, 0, None, False)
-                    task = asyncio.create_task(self._raw_token(session, bytes(frame)))
-                else:
-                    hdr, body_at = parse_header(frame)
-                    if not session.authenticated and hdr.api_key not in _BEFORE_AUTH:
-                        raise ProtocolViolation(f"{APIS[hdr.api_key].name} request before SASL authentication")
-                    hdr.client_host, hdr.append_order, hdr.principal = client_host, append_order, session.principal
-                    task = asyncio.create_task(self._handle(hdr, frame, body_at))
+                try:
+                    if session.raw_tokens:
+                        hdr = RequestHeader(SASL_AUTHENTICATE.key, 0, 0, None, False)
+                        task = asyncio.create_task(self._raw_token(session, bytes(frame)))
+                    else:
+                        hdr, body_at = parse_header(frame)
+                        if not session.authenticated and hdr.api_key not in _BEFORE_AUTH:
+                            raise ProtocolViolation(f"{APIS[hdr.api_key].name} request before SASL authentication")
+                        hdr.client_host, hdr.append_order = client_host, append_order
+                        hdr.principal = session.principal
+                        task = asyncio.create_task(self._handle(hdr, frame, body_at))
+                except BaseException:
+                    self.budget.give(len(frame))
+                    raise
+                session.in_flight += 1
+                task.add_done_callback(functools.partial(self._request_done, session, len(frame)))
                 await queue.put((task, hdr))
                 if hdr.api_key in _SASL_APIS:
                     await asyncio.wait([task])  # the next request must see the outcome
@@ -222,22 +272,47 @@ class KafkaServer:
                     await cb()
                 except Exception as exc:
                     log.warning("conn %d from %s: cleanup failed: %r", conn, peer, exc)
-            self._conns.pop(task, None)
+            self._conns.pop(me, None)
 
-    async def _read_frame(self, reader: asyncio.StreamReader, min_size: int = 8) -> memoryview | None:
-        try:
-            head = await reader.readexactly(4)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                raise ProtocolViolation(f"truncated size prefix ({len(exc.partial)} bytes)") from None
-            return None
+    def _request_done(self, session: Session, size: int, _task: asyncio.Task[Any]) -> None:
+        session.in_flight -= 1
+        self.budget.give(size)
+
+    async def _read_frame(self, reader: asyncio.StreamReader, session: Session) -> memoryview | None:
+        """The next frame (None at a clean end, or when the connection was idle
+        past its limit), its bytes taken from the listener's budget: the caller
+        gives them back when the request is done. Before authentication a frame
+        may be UNAUTHENTICATED_MAX_FRAME bytes at most."""
+        while True:
+            try:
+                head = await asyncio.wait_for(reader.readexactly(4), self.limits.idle_timeout_s)
+                break
+            except TimeoutError:
+                if session.in_flight == 0:
+                    log.info("conn %d from %s: closing after %.0f s idle", session.conn, session.peer,
+                             self.limits.idle_timeout_s)
+                    return None
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial:
+                    raise ProtocolViolation(f"truncated size prefix ({len(exc.partial)} bytes)") from None
+                return None
         (size,) = _SIZE.unpack(head)
-        if size < min_size or size > self.max_request_bytes:
-            raise ProtocolViolation(f"frame size {size} outside [{min_size}, {self.max_request_bytes}]")
+        min_size = 1 if session.raw_tokens else 8
+        max_size = self.limits.max_request_bytes if session.authenticated else UNAUTHENTICATED_MAX_FRAME
+        if size < min_size or size > max_size:
+            raise ProtocolViolation(f"frame size {size} outside [{min_size}, {max_size}]"
+                                    + ("" if session.authenticated else " before authentication"))
+        await self.budget.take(size)
         try:
-            return memoryview(await reader.readexactly(size))
-        except asyncio.IncompleteReadError as exc:
-            raise ProtocolViolation(f"truncated frame: {len(exc.partial)} of {size} bytes") from None
+            return memoryview(await asyncio.wait_for(reader.readexactly(size), self.limits.read_timeout_s))
+        except BaseException as exc:
+            self.budget.give(size)
+            if isinstance(exc, TimeoutError):
+                raise ProtocolViolation(f"frame of {size} bytes not received within "
+                                        f"{self.limits.read_timeout_s:.0f} s") from None
+            if isinstance(exc, asyncio.IncompleteReadError):
+                raise ProtocolViolation(f"truncated frame: {len(exc.partial)} of {size} bytes") from None
+            raise
 
     async def _handle(self, hdr: RequestHeader, frame: memoryview, body_at: int) -> list[Any] | None:
         t = time.perf_counter()

@@ -15,7 +15,15 @@ from typing import Any
 
 from kafscale import _native, metrics
 from kafscale.broker.ipc import Channel, ChannelClosed
-from kafscale.broker.server import ON_SENT, SESSION, KafkaServer, ProtocolViolation, SaslSettings, run_on_sent
+from kafscale.broker.server import (
+    ON_SENT,
+    SESSION,
+    ConnectionLimits,
+    KafkaServer,
+    ProtocolViolation,
+    SaslSettings,
+    run_on_sent,
+)
 from kafscale.broker.shm import CacheReader, CacheRef, Ring, SharedArea
 from kafscale.config import Config
 from kafscale.metadata.store import SegmentManifest
@@ -120,7 +128,7 @@ class Worker:
         host, port = self.cfg.listen_addr()
         mechanisms = self.cfg.sasl_mechanism_list()
         sasl = SaslSettings(mechanisms, lambda user: self.chan.call("user", user)) if mechanisms else None
-        self.server = KafkaServer(self.handlers, host, port, self.cfg.max_request_bytes, reuse_port=True,
+        self.server = KafkaServer(self.handlers, host, port, ConnectionLimits.from_config(self.cfg), reuse_port=True,
                                   forward=self.forward, ssl=self.cfg.server_ssl(), sasl=sasl)
         await self.server.start()
 

@@ -295,14 +295,14 @@ async def run_proxy_until_signal(cfg: Config) -> None:
     import signal
 
     from kafscale.adminhttp import AdminServer
-    from kafscale.broker.server import KafkaServer
+    from kafscale.broker.server import ConnectionLimits, KafkaServer
 
     meta = MetaStore(cfg.etcd, cfg.cluster)
     await meta.start()
     proxy = Proxy(cfg, meta)
     await proxy.start()
     host, port = cfg.listen_addr()
-    server = KafkaServer(proxy.handlers, host, port, cfg.max_request_bytes, ssl=cfg.server_ssl())
+    server = KafkaServer(proxy.handlers, host, port, ConnectionLimits.from_config(cfg), ssl=cfg.server_ssl())
     await server.start()
     log.info("proxy for cluster %r on %s:%d in front of brokers %s", cfg.cluster, host, server.port,
              sorted(proxy.cluster.brokers))

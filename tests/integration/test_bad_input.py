@@ -3,8 +3,12 @@ connection with a log line, keeps serving everyone else, and never commits
 anything from a rejected batch."""
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import struct
+import threading
+import time
 import uuid
 
 import pytest
@@ -177,3 +181,67 @@ def test_unknown_topic_and_partition(served):
                                       "allow_auto_topic_creation": True})
     assert md["topics"][0]["error_code"] == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION  # auto-create is off by default
     c.close()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+
+
+def test_unfinished_frames_hold_bounded_memory_and_time_out(make_broker):
+    """Clients that send the size prefix of a 90 MiB frame and most of its
+    bytes, then stall: the worker holds at most queued_max_request_bytes of
+    them at once (the other sockets are not read) and closes each one
+    request_read_timeout_s after its prefix."""
+    budget_mib, timeout_s = 100, 2
+    b = make_broker(workers=1, queued_max_request_bytes=budget_mib << 20, request_read_timeout_s=timeout_s)
+    worker = b.children()[1]
+    base = _rss_mib(worker)
+    socks = []
+    for _ in range(4):
+        s = socket.create_connection(("127.0.0.1", b.port))
+        s.settimeout(0.5)
+        socks.append(s)
+
+    def stall(s: socket.socket) -> None:
+        s.sendall(struct.pack(">i", 90 << 20))
+        chunk = bytes(1 << 20)
+        with contextlib.suppress(OSError):  # a socket the broker does not read fills up, then times out
+            for _ in range(89):
+                s.sendall(chunk)
+
+    threads = [threading.Thread(target=stall, args=(s,)) for s in socks]
+    for t in threads:
+        t.start()
+    peak, closed = base, set()
+    deadline = time.monotonic() + 4 * (timeout_s + 1) + 10
+    while len(closed) < len(socks) and time.monotonic() < deadline:
+        peak = max(peak, _rss_mib(worker))
+        for i, s in enumerate(socks):
+            if i not in closed:
+                with contextlib.suppress(TimeoutError, BlockingIOError):
+                    try:
+                        if s.recv(1, socket.MSG_DONTWAIT) == b"":
+                            closed.add(i)
+                    except ConnectionResetError:
+                        closed.add(i)
+        time.sleep(0.1)
+    for t in threads:
+        t.join()
+    for s in socks:
+        s.close()
+    assert len(closed) == len(socks), "every stalled connection is closed by the read timeout"
+    assert peak - base < budget_mib + 40, f"worker grew {peak - base:.0f} MiB holding unfinished frames"
+    assert b.log().count("not received within") >= len(socks)
+
+
+def test_unauthenticated_frames_are_small(make_broker):
+    """Before SASL authentication a frame may be 512 KiB at most (Kafka's
+    sasl.server.max.receive.size): a larger size prefix closes the connection
+    at once, before any of it is buffered."""
+    b = make_broker(workers=1, sasl_mechanisms="PLAIN")
+    c = RawClient(b.bootstrap)
+    c.send_bytes(struct.pack(">i", 90 << 20) + bytes(1024))
+    assert c.closed_by_peer()
+    c.close()
+    assert "before authentication" in b.log()
