@@ -74,6 +74,8 @@ class Config:
     retention_check_ms: int = _opt(60_000, "how often partitions are checked against retention.ms/bytes")
     group_initial_rebalance_delay_ms: int = _opt(500, "how long a new group waits for more members to join")
     validate_compressed: bool = _opt(True, "decompress compressed batches on produce to validate their records")
+    max_uncompressed_batch_bytes: int = _opt(64 * 1024 * 1024, "largest a compressed batch may decompress to on "
+                                             "produce (MESSAGE_TOO_LARGE beyond): bounds compression bombs")
     log_level: str = _opt("INFO", "logging level")
 
     def server_ssl(self) -> ssl.SSLContext | None:

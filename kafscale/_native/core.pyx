@@ -35,6 +35,7 @@ cdef extern from *:
 
 # Kafka error codes raised by validation.
 CORRUPT_MESSAGE = 2
+MESSAGE_TOO_LARGE = 10
 INVALID_RECORD = 87
 UNSUPPORTED_COMPRESSION_TYPE = 76
 
@@ -216,21 +217,48 @@ cdef Py_ssize_t walk_records(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, i
     return 0
 
 
-def decompress(int codec, data):
-    """Decompress a batch's records section for `codec` (attributes & 7)."""
+def decompress(int codec, data, Py_ssize_t limit=-1):
+    """Decompress a batch's records section for `codec` (attributes & 7).
+    With limit >= 0, raises BatchError(MESSAGE_TOO_LARGE) as soon as the
+    output would exceed limit bytes: at most limit + one chunk is ever held
+    (a 32 KB zstd batch can claim a 1 GiB record)."""
     if codec == COMPRESSION_NONE:
         return bytes(data)
     if codec == COMPRESSION_GZIP:
-        return zlib.decompress(data, 47)  # gzip or zlib header, auto-detected
+        d = zlib.decompressobj(47)  # gzip or zlib header, auto-detected
+        out = d.decompress(data, limit + 1 if limit >= 0 else 0)
+        if limit >= 0 and (len(out) > limit or d.unconsumed_tail):
+            raise _too_large(codec, limit)
+        return out + d.flush()
     if codec == COMPRESSION_SNAPPY:
-        return _snappy_decompress(data)
+        return _snappy_decompress(data, limit)
     if codec == COMPRESSION_LZ4:
         import lz4.frame
-        return lz4.frame.decompress(data)
+        if limit < 0:
+            return lz4.frame.decompress(data)
+        d = lz4.frame.LZ4FrameDecompressor()
+        out = d.decompress(data, max_length=limit + 1)
+        if len(out) > limit or not d.eof:
+            raise _too_large(codec, limit)
+        return out
     if codec == COMPRESSION_ZSTD:
+        import io
         import zstandard
-        return zstandard.ZstdDecompressor().decompressobj().decompress(data)
+        if limit < 0:
+            return zstandard.ZstdDecompressor().decompressobj().decompress(data)
+        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
+        parts, n = [], 0
+        while chunk := reader.read(min(limit + 1 - n, 1 << 20) or 1):
+            parts.append(chunk)
+            n += len(chunk)
+            if n > limit:
+                raise _too_large(codec, limit)
+        return b"".join(parts)
     raise BatchError(UNSUPPORTED_COMPRESSION_TYPE, f"unknown compression codec {codec}")
+
+
+def _too_large(int codec, Py_ssize_t limit):
+    return BatchError(MESSAGE_TOO_LARGE, f"{CODEC_NAMES[codec]} records decompress to more than {limit} bytes")
 
 
 def compress(int codec, data):
@@ -255,20 +283,42 @@ def compress(int codec, data):
 _XERIAL_MAGIC = b"\x82SNAPPY\x00"
 
 
-def _snappy_decompress(data):
-    """Raw snappy, or the xerial block framing that Java/kafka-python write."""
+cdef Py_ssize_t _snappy_raw_length(const uint8_t[::1] buf):
+    """The uncompressed length a raw snappy block declares (its leading varint)."""
+    cdef uint64_t v = 0
+    cdef int shift = 0
+    cdef Py_ssize_t i
+    for i in range(min(buf.shape[0], 10)):
+        v |= <uint64_t>(buf[i] & 0x7F) << shift
+        if buf[i] < 0x80:
+            return <Py_ssize_t>v
+        shift += 7
+    raise BatchError(CORRUPT_MESSAGE, "malformed snappy length")
+
+
+def _snappy_decompress(data, Py_ssize_t limit=-1):
+    """Raw snappy, or the xerial block framing that Java/kafka-python write;
+    each block's declared length counts against limit before it is inflated."""
     import cramjam
     buf = bytes(data)
     if not buf.startswith(_XERIAL_MAGIC):
+        if limit >= 0 and _snappy_raw_length(buf) > limit:
+            raise _too_large(COMPRESSION_SNAPPY, limit)
         return bytes(cramjam.snappy.decompress_raw(buf))
     out = []
+    cdef Py_ssize_t total = 0
     pos = 16  # magic(8) + version(4) + compatible version(4)
     while pos < len(buf):
         if pos + 4 > len(buf):
             raise BatchError(CORRUPT_MESSAGE, "truncated xerial snappy block")
         n = int.from_bytes(buf[pos:pos + 4], "big")
         pos += 4
-        out.append(bytes(cramjam.snappy.decompress_raw(buf[pos:pos + n])))
+        block = buf[pos:pos + n]
+        if limit >= 0:
+            total += _snappy_raw_length(block)
+            if total > limit:
+                raise _too_large(COMPRESSION_SNAPPY, limit)
+        out.append(bytes(cramjam.snappy.decompress_raw(block)))
         pos += n
     return b"".join(out)
 
@@ -365,11 +415,12 @@ def scan_batches(const uint8_t[::1] buf, bint verify=False, bint partial=False):
     return out
 
 
-def validate_batches(const uint8_t[::1] buf, bint deep_compressed=True):
+def validate_batches(const uint8_t[::1] buf, bint deep_compressed=True, Py_ssize_t max_uncompressed=-1):
     """Validate a produce payload: CRCs, headers, and record framing.
 
     Uncompressed batches have every record walked. Compressed ones are
-    decompressed and walked too when deep_compressed is set. Returns the
+    decompressed (to at most max_uncompressed bytes, unless negative) and
+    walked too when deep_compressed is set. Returns the
     BatchInfo list; raises BatchError (with a Kafka error code). A walked
     batch whose header maxTimestamp is not its records' largest timestamp
     comes back with the right one and max_timestamp_fixed set."""
@@ -397,7 +448,7 @@ def validate_batches(const uint8_t[::1] buf, bint deep_compressed=True):
             rc = walk_records(p, b.position + BATCH_HEADER_SIZE, b.position + b.size, b.record_count, &max_delta)
         elif deep_compressed:
             try:
-                plain = decompress(codec, buf[b.position + BATCH_HEADER_SIZE:b.position + b.size])
+                plain = decompress(codec, buf[b.position + BATCH_HEADER_SIZE:b.position + b.size], max_uncompressed)
             except BatchError:
                 raise
             except Exception as exc:

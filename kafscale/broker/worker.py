@@ -216,7 +216,8 @@ class Worker:
         if payload is None or len(payload) == 0:
             return ("error", ErrorCode.INVALID_RECORD, "no records")
         try:
-            batches = _native.validate_batches(payload, self.cfg.validate_compressed)
+            batches = _native.validate_batches(payload, self.cfg.validate_compressed,
+                                               self.cfg.max_uncompressed_batch_bytes)
         except _native.BatchError as exc:
             return ("error", exc.code, str(exc))
         n = len(payload)

@@ -245,3 +245,43 @@ def test_unauthenticated_frames_are_small(make_broker):
     assert c.closed_by_peer()
     c.close()
     assert "before authentication" in b.log()
+
+
+def zstd_bomb(value_bytes: int) -> bytes:
+    """A RecordBatch v2 (zstd) of one record whose value is value_bytes of
+    zeros: a few tens of KB on the wire, value_bytes once decompressed."""
+    import zstandard
+
+    body = b"\x00" + _native.encode_varint(0) + _native.encode_varint(0) + _native.encode_varint(-1)
+    body += _native.encode_varint(value_bytes)
+    record_len = len(body) + value_bytes + 1  # + the header count
+    z = zstandard.ZstdCompressor().compressobj()
+    out = [z.compress(_native.encode_varint(record_len) + body)]
+    chunk = bytes(1 << 20)
+    for _ in range(value_bytes >> 20):
+        out.append(z.compress(chunk))
+    out.append(z.compress(_native.encode_varint(0)) + z.flush())
+    records = b"".join(out)
+    after_crc = struct.pack(">hiqqqhii", 4, 0, 1000, 1000, -1, -1, -1, 1) + records  # zstd, 1 record
+    head = struct.pack(">qiib", 0, 4 + 1 + 4 + len(after_crc), 0, 2)
+    return head + struct.pack(">I", _native.crc32c(after_crc)) + after_crc
+
+
+def test_a_compression_bomb_is_refused_with_bounded_memory(served):
+    """One zstd batch of ~30 KB whose record decompresses to 1 GiB: refused
+    with MESSAGE_TOO_LARGE after at most max_uncompressed_batch_bytes (64 MiB)
+    were inflated; nothing is stored."""
+    plain_broker, topic = served
+    bomb = zstd_bomb(1 << 30)
+    assert len(bomb) < 100_000
+    workers = plain_broker.children()[1:]
+    before = {pid: _rss_mib(pid) for pid in workers}
+    c = RawClient(plain_broker.bootstrap, timeout=60)
+    start = latest_offset(c, topic)
+    r = produce_raw(c, topic, bomb)
+    assert r["error_code"] == ErrorCode.MESSAGE_TOO_LARGE, r
+    assert latest_offset(c, topic) == start
+    c.close()
+    grew = max(_rss_mib(pid) - before[pid] for pid in workers)
+    assert grew < 64 + 64, f"a worker grew {grew:.0f} MiB"
+    still_serves(plain_broker, topic)

@@ -197,3 +197,17 @@ def test_decode_columns_matches_iter_records(codec):
                for h in range(h_off[i], h_off[i + 1])]
         assert got == headers
     assert set(c["timestamp_type"][::4]) == {0}
+
+
+@pytest.mark.parametrize("codec", [1, 2, 3, 4])
+def test_decompression_stops_at_the_limit(codec):
+    """A batch that inflates past max_uncompressed is refused with
+    MESSAGE_TOO_LARGE, whatever its codec; under the limit it validates."""
+    recs = [(1000, b"k", bytes(200_000), [])]
+    batch = _native.build_batch(recs, codec=codec)
+    assert len(batch) < 20_000  # zeros compress well: a small bomb
+    [info] = _native.validate_batches(batch, True, 300_000)
+    assert info.record_count == 1
+    with pytest.raises(_native.BatchError) as exc:
+        _native.validate_batches(batch, True, 100_000)
+    assert exc.value.code == 10  # MESSAGE_TOO_LARGE
