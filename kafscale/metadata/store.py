@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aetcd
+from aetcd import rpc as aetcd_rpc
 from aetcd.utils import prefix_range_end
 
 from kafscale.security.acl import AclBinding
@@ -142,6 +143,7 @@ def name_of(part: bytes | str) -> str:
     return text.replace("%2F", "/").replace("%25", "%")
 
 
+SCAN_PAGE = 1000  # keys per etcd range read in MetaStore.scan
 CAS_ATTEMPTS = 50  # a compare-and-swap that keeps losing to other writers gives up after this many tries
 
 
@@ -199,6 +201,27 @@ class MetaStore:
             await self.client.close()
             self.client = None
 
+    async def scan(self, prefix: bytes, keys_only: bool = False) -> AsyncIterator[Any]:
+        """Every key-value under prefix, read in pages of SCAN_PAGE keys at one
+        revision: a range that grows (a partition's segment manifests, all the
+        offsets) never needs one reply larger than etcd's 4 MiB gRPC limit.
+        aetcd's range call has no limit, so the request is built here."""
+        start, end, revision = prefix, prefix_range_end(prefix), 0
+        while True:
+            req = self.client._build_get_range_request(start, end, keys_only=keys_only)
+            req.limit, req.revision = SCAN_PAGE, revision
+            try:
+                resp = await self.client.kvstub.Range(req, timeout=self.client._timeout,
+                                                      metadata=self.client.metadata)
+            except aetcd_rpc.AioRpcError as exc:
+                aetcd.exceptions._handle_exception(exc)  # raises the matching aetcd exception
+                raise
+            for kv in resp.kvs:
+                yield kv
+            if not resp.more or not resp.kvs:
+                return
+            start, revision = resp.kvs[-1].key + b"\0", resp.header.revision
+
     def k(self, *parts: object) -> bytes:
         """The key of parts under this cluster's prefix, each part escaped
         (see key_part) so that no name's keys fall under another's prefix."""
@@ -223,7 +246,7 @@ class MetaStore:
     async def list_topics(self) -> list[TopicMeta]:
         base = self.k("topics", "")
         out = []
-        for kv in await self.client.get_prefix(base):
+        async for kv in self.scan(base):
             out.append(TopicMeta.from_json(name_of(kv.key[len(base):]), kv.value))
         return out
 
@@ -291,12 +314,12 @@ class MetaStore:
 
     async def draining(self) -> set[int]:
         base = self.k("draining", "")
-        return {int(kv.key[len(base):]) for kv in await self.client.get_prefix(base, keys_only=True)}
+        return {int(kv.key[len(base):]) async for kv in self.scan(base, keys_only=True)}
 
     async def list_brokers(self) -> list[tuple[int, str, int]]:
         base = self.k("brokers", "")
         out = []
-        for kv in await self.client.get_prefix(base):
+        async for kv in self.scan(base):
             d = json.loads(kv.value)
             out.append((int(kv.key[len(base):].decode()), d["host"], d["port"]))
         return sorted(out)
@@ -339,14 +362,14 @@ class MetaStore:
         """Committed segments per partition of topic (keys only)."""
         base = self.k("segments", topic, "")
         out: dict[int, int] = {}
-        for kv in await self.client.get_prefix(base, keys_only=True):
+        async for kv in self.scan(base, keys_only=True):
             p = int(kv.key[len(base):].decode().split("/", 1)[0])
             out[p] = out.get(p, 0) + 1
         return out
 
     async def list_segments(self, topic: str, p: int) -> list[SegmentManifest]:
         out = [SegmentManifest(**json.loads(kv.value))
-               for kv in await self.client.get_prefix(self.k("segments", topic, p, ""))]
+               async for kv in self.scan(self.k("segments", topic, p, ""))]
         out.sort(key=lambda m: m.base)
         return out
 
@@ -360,7 +383,7 @@ class MetaStore:
     async def fetch_offsets(self, group: str) -> dict[tuple[str, int], dict[str, Any]]:
         base = self.k("offsets", group, "")
         out = {}
-        for kv in await self.client.get_prefix(base):
+        async for kv in self.scan(base):
             topic, _, p = kv.key[len(base):].decode().rpartition("/")
             out[(name_of(topic), int(p))] = json.loads(kv.value)
         return out
@@ -380,7 +403,7 @@ class MetaStore:
 
     async def load_checkpoint(self, processor: str, topic: str) -> dict[int, int]:
         prefix = self.k("processors", processor, topic, "")
-        return {int(kv.key[len(prefix):]): int(kv.value) for kv in await self.client.get_prefix(prefix)}
+        return {int(kv.key[len(prefix):]): int(kv.value) async for kv in self.scan(prefix)}
 
     async def save_group(self, group: str, state: dict[str, Any]) -> None:
         await self.client.put(self.k("groups", group), json.dumps(state).encode())
@@ -392,7 +415,7 @@ class MetaStore:
     async def group_names_with_offsets(self) -> set[str]:
         base = self.k("offsets", "")
         return {name_of(kv.key[len(base):].decode().split("/", 1)[0])
-                for kv in await self.client.get_prefix(base, keys_only=True)}
+                async for kv in self.scan(base, keys_only=True)}
 
     # ------------------------------------------------------------- producers
     async def next_producer_id(self) -> int:
@@ -428,7 +451,7 @@ class MetaStore:
     async def owners(self) -> dict[tuple[str, int], int]:
         base = self.k("owners", "")
         out = {}
-        for kv in await self.client.get_prefix(base):
+        async for kv in self.scan(base):
             topic, _, p = kv.key[len(base):].decode().rpartition("/")
             out[(name_of(topic), int(p))] = int(kv.value)
         return out
@@ -454,7 +477,7 @@ class MetaStore:
 
     async def list_users(self) -> list[str]:
         base = self.k("users", "")
-        return sorted(name_of(kv.key[len(base):]) for kv in await self.client.get_prefix(base, keys_only=True))
+        return sorted([name_of(kv.key[len(base):]) async for kv in self.scan(base, keys_only=True)])
 
     async def put_acls(self, acls: list[AclBinding]) -> None:
         tx = self.client.transactions
@@ -467,7 +490,7 @@ class MetaStore:
                                       failure=[])
 
     async def list_acls(self) -> list[AclBinding]:
-        return sorted(AclBinding.from_json(kv.value) for kv in await self.client.get_prefix(self.k("acls", "")))
+        return sorted([AclBinding.from_json(kv.value) async for kv in self.scan(self.k("acls", ""))])
 
     # ---------------------------------------------------------------- brokers
     async def register_broker(self, broker_id: int, host: str, port: int, ttl: int) -> Any:

@@ -275,3 +275,36 @@ def test_metadata_by_topic_id_costs_no_etcd_read_per_id(broker, topic_name, stac
     assert [t["error_code"] for t in md["topics"]] == [ErrorCode.UNKNOWN_TOPIC_ID] * 5_000 + [0]
     assert md["topics"][-1]["name"] == topic_name
     assert reads < 50, f"{reads} etcd reads for one Metadata request"
+
+
+def test_a_partition_of_fifty_thousand_segments_opens(make_broker, topic_name, stack):
+    """A partition's manifests are read in pages: 50,000 of them (~13 MB, past
+    etcd's 4 MiB reply limit) no longer keep it from opening after a restart."""
+    from kafscale.metadata.store import PartitionState, SegmentManifest
+    from kafscale.storage.segment import segment_key
+
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name)
+    b.stop()
+    n = 50_000
+    prefix = f"/kafscale/{b.cluster}/"
+
+    async def fill() -> None:
+        host, port = stack.etcd_endpoint.split(":")
+        async with aetcd.Client(host=host, port=int(port)) as c:
+            tx = c.transactions
+            for start in range(0, n, 100):
+                ops = [tx.put(f"{prefix}segments/{topic_name}/0/{i:020d}".encode(), SegmentManifest(
+                    i, i, 1, 100, 1000, 1000, segment_key(b.cluster, topic_name, 0, i, 1), 1000).to_json())
+                    for i in range(start, min(start + 100, n))]
+                await c.transaction(compare=[], success=ops, failure=[])
+            await c.put(f"{prefix}partitions/{topic_name}/0".encode(), PartitionState(1, 1, n, 0).to_json())
+
+    asyncio.run(fill())
+    b.start()
+    c = Consumer({"bootstrap.servers": b.bootstrap, "group.id": "probe"})
+    try:
+        assert c.get_watermark_offsets(TopicPartition(topic_name, 0), timeout=30) == (0, n)
+    finally:
+        c.close()
+    assert "opened" in b.log() and f"segments={n}" in b.log()
