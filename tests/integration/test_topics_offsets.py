@@ -308,3 +308,33 @@ def test_a_partition_of_fifty_thousand_segments_opens(make_broker, topic_name, s
     finally:
         c.close()
     assert "opened" in b.log() and f"segments={n}" in b.log()
+
+
+def test_a_produce_opening_a_thousand_partitions_does_not_hold_up_others(make_broker, topic_name):
+    """One Produce to 1,000 partitions not yet open (each opened by an etcd
+    claim) and another client's produce to an open partition, on the same
+    worker: the second is acknowledged while the first is still under way."""
+    b = make_broker(workers=1)
+    big, small = f"{topic_name}-big", f"{topic_name}-small"
+    create_topic(b.bootstrap, big, partitions=1_000)
+    create_topic(b.bootstrap, small)
+    confluent_produce(b.bootstrap, small, [Rec(None, b"warm")])
+    batch = _native.build_batch([(1000, None, b"v", [])])
+    body = {"acks": -1, "timeout_ms": 60_000, "topic_data": [
+        {"name": big, "partition_data": [{"index": p, "records": batch} for p in range(1_000)]}]}
+    done: dict[str, float] = {}
+
+    def produce_big() -> None:
+        c = RawClient(b.bootstrap, timeout=120)
+        r = c.request(PRODUCE.key, 9, body)
+        done["big"] = time.monotonic()
+        assert {p["error_code"] for p in r["responses"][0]["partition_responses"]} == {0}
+        c.close()
+
+    t = threading.Thread(target=produce_big)
+    t.start()
+    time.sleep(0.2)  # the big request is being appended
+    confluent_produce(b.bootstrap, small, [Rec(None, b"meanwhile")])
+    done["small"] = time.monotonic()
+    t.join()
+    assert done["small"] < done["big"], "the small produce waited for the 1,000-partition one"
