@@ -66,6 +66,8 @@ class Config:
                                          "holds at once across its connections; reading waits beyond it")
     request_read_timeout_s: int = _opt(30, "a request frame must arrive whole within this many seconds of its "
                                        "size prefix, or the connection is closed")
+    response_write_timeout_s: int = _opt(60, "a client that takes no bytes of a response for this many seconds "
+                                         "is disconnected (frees what the response holds)")
     connections_max_idle_ms: int = _opt(600_000, "a connection with no request for this long, and none pending, "
                                         "is closed (Kafka's connections.max.idle.ms)")
     max_message_bytes: int = _opt(1024 * 1024 + 1024, "largest record batch accepted (max.message.bytes)")

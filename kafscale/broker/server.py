@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 _SIZE = struct.Struct(">i")
 MAX_IN_FLIGHT = 64
+WRITE_SLICE = 1024 * 1024  # responses are written in slices of this size (see KafkaServer._write)
 # the largest frame a connection may send before it authenticated (Kafka's sasl.server.max.receive.size)
 UNAUTHENTICATED_MAX_FRAME = 512 * 1024
 _conn_ids = itertools.count(1)
@@ -46,11 +47,12 @@ class ConnectionLimits:
     queued_request_bytes: int  # request bytes held at once across all connections: reading waits beyond it
     read_timeout_s: float  # a frame must arrive whole this soon after its size prefix
     idle_timeout_s: float  # a connection with no request for this long, and none pending, is closed
+    write_timeout_s: float  # a client that takes no response bytes for this long is disconnected
 
     @classmethod
     def from_config(cls, cfg: Any) -> ConnectionLimits:
         return cls(cfg.max_request_bytes, max(cfg.queued_max_request_bytes, cfg.max_request_bytes),
-                   cfg.request_read_timeout_s, cfg.connections_max_idle_ms / 1000)
+                   cfg.request_read_timeout_s, cfg.connections_max_idle_ms / 1000, cfg.response_write_timeout_s)
 
 
 class ByteBudget:
@@ -411,12 +413,15 @@ class KafkaServer:
                     log.exception("conn %d from %s: request failed; closing the connection", conn, peer)
                     writer.close()
                     return
-                for chunk in chunks or ():  # one by one: the transport copies only what the socket did not take
-                    writer.write(chunk)
+                await self._write(writer, chunks or ())
                 run_on_sent(hdr.on_sent)
                 current = None
                 if chunks is not None:
-                    await writer.drain()
+                    await asyncio.wait_for(writer.drain(), self.limits.write_timeout_s)
+        except TimeoutError:
+            log.warning("conn %d from %s: closing: the client took no response bytes for %.0f s", conn, peer,
+                        self.limits.write_timeout_s)
+            writer.close()
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
@@ -428,6 +433,21 @@ class KafkaServer:
                 if item is not None:
                     item[0].cancel()
                     item[0].add_done_callback(lambda _t, h=item[1]: run_on_sent(h.on_sent))
+
+
+    async def _write(self, writer: asyncio.StreamWriter, chunks: Any) -> None:
+        """Write a response in slices of WRITE_SLICE, waiting whenever the
+        socket has not taken the last one: the transport copies only what the
+        socket did not take, so a client that reads slowly (or never) makes
+        the listener hold one slice, not a whole Fetch response, and one that
+        takes nothing for write_timeout_s is disconnected (TimeoutError)."""
+        transport = writer.transport
+        for chunk in chunks:
+            view = memoryview(chunk)
+            for i in range(0, len(view), WRITE_SLICE):
+                writer.write(view[i:i + WRITE_SLICE])
+                if transport.get_write_buffer_size() > WRITE_SLICE:
+                    await asyncio.wait_for(writer.drain(), self.limits.write_timeout_s)
 
 
 @functools.cache

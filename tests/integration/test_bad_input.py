@@ -285,3 +285,38 @@ def test_a_compression_bomb_is_refused_with_bounded_memory(served):
     grew = max(_rss_mib(pid) - before[pid] for pid in workers)
     assert grew < 64 + 64, f"a worker grew {grew:.0f} MiB"
     still_serves(plain_broker, topic)
+
+
+def test_clients_that_never_read_hold_bounded_memory_and_are_disconnected(make_broker, topic_name):
+    """20 clients each ask for a 40 MB Fetch and never read: the worker writes
+    responses a slice at a time, so it holds about one slice per client (not
+    the whole response), and disconnects each after response_write_timeout_s."""
+    from kafscale.protocol.framing import encode_request
+    from kafscale.protocol.schemas import FETCH
+
+    b = make_broker(workers=1, response_write_timeout_s=3)
+    create_topic(b.bootstrap, topic_name)
+    value = os.urandom(1024)
+    confluent_produce(b.bootstrap, topic_name, [Rec(None, value)] * 40_000, **{"linger.ms": 50, "batch.size": 1 << 20})
+    worker = b.children()[1]
+    base = _rss_mib(worker)
+    body = {"max_wait_ms": 0, "min_bytes": 1, "max_bytes": 50 << 20, "isolation_level": 0,
+            "topics": [{"topic": topic_name, "partitions": [{"partition": 0, "fetch_offset": 0,
+                                                             "partition_max_bytes": 50 << 20}]}]}
+    socks = []
+    for i in range(20):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", b.port))
+        s.sendall(encode_request(FETCH.key, 11, i, body))
+        socks.append(s)
+    peak = base
+    deadline = time.monotonic() + 20
+    while b.log().count("took no response bytes") < len(socks) and time.monotonic() < deadline:
+        peak = max(peak, _rss_mib(worker))
+        time.sleep(0.1)
+    for s in socks:
+        s.close()
+    assert b.log().count("took no response bytes") == len(socks), "each non-reading client is disconnected"
+    assert peak - base < 20 * 2 + 60, f"worker grew {peak - base:.0f} MiB for 20 clients that never read"
+    still_serves(b, topic_name)
