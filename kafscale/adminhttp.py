@@ -6,35 +6,96 @@ at /. Each check is bounded by CHECK_TIMEOUT_S."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
 from kafscale import metrics
+from kafscale.config import Config
 from kafscale.metadata.store import MetaStore
+from kafscale.security.acl import Authorizer
+from kafscale.security.sasl import SaslExchange, SaslFailed
 
 log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 2.0
 Check = Callable[[], Awaitable[None]]  # raises when the dependency is not usable
 LagSource = Callable[[], Awaitable[dict[tuple[str, str, int], int]]]
+OPEN_PATHS = ("/healthz", "/readyz")  # probes: never behind authentication
+
+
+class AdminAuth:
+    """Who may read the admin endpoint when the Kafka listener requires SASL:
+    HTTP Basic credentials of a Kafka user (the SCRAM records `kafscale users`
+    writes, checked as SASL/PLAIN checks them), and with the authorizer on
+    only a super user (the console and /metrics show every topic, group and
+    offset). Without SASL the endpoint is open: bind it to a private address."""
+
+    def __init__(self, cfg: Config, meta: MetaStore) -> None:
+        self.required = bool(cfg.sasl_mechanism_list())
+        self.super_users = Authorizer(cfg.authorizer, cfg.super_users).super_users if cfg.authorizer else None
+        self.meta = meta
+
+    async def refusal(self, request: web.Request) -> web.Response | None:
+        """None when the request may proceed, else the 401/403 answer."""
+        if not self.required or request.path in OPEN_PATHS:
+            return None
+        header = request.headers.get("Authorization", "")
+        principal = None
+        if header.startswith("Basic "):
+            try:
+                user, _, password = base64.b64decode(header[6:]).decode().partition(":")
+                exchange = SaslExchange("PLAIN", self.meta.get_user)
+                await exchange.step(b"\0" + user.encode() + b"\0" + password.encode())
+                principal = exchange.principal
+            except (ValueError, SaslFailed):
+                principal = None
+        if principal is None:
+            return web.json_response({"error": "sign in with a Kafka user"}, status=401,
+                                     headers={"WWW-Authenticate": 'Basic realm="kafscale"'})
+        if self.super_users is not None and principal not in self.super_users:
+            return web.json_response({"error": f"{principal} is not a super user"}, status=403)
+        return None
+
+
+@web.middleware
+async def _cross_site_guard(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Refuse what a page on another site can make a browser send: a POST must
+    carry JSON (a form cannot), and an Origin, when sent, must be this host."""
+    if request.method not in ("GET", "HEAD", "OPTIONS"):
+        if request.content_type != "application/json":
+            return web.json_response({"error": "send application/json"}, status=415)
+        origin = request.headers.get("Origin")
+        if origin is not None and origin.split("://", 1)[-1] != request.host:
+            return web.json_response({"error": f"cross-site request from {origin} refused"}, status=403)
+    return await handler(request)
 
 
 class AdminServer:
     def __init__(self, listen: str, checks: dict[str, Check], lag: LagSource | None = None,
-                 console: tuple[MetaStore, str] | None = None) -> None:
+                 console: tuple[MetaStore, str] | None = None, auth: AdminAuth | None = None) -> None:
         """console: (etcd metadata, cluster name) to serve the web console at /."""
         host, _, port = listen.rpartition(":")
         self.host, self.port = host or "0.0.0.0", int(port)
         self.checks = checks
         self.lag = lag
         self.console = console
+        self.auth = auth
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        app = web.Application()
+        auth = self.auth
+
+        @web.middleware
+        async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
+            refusal = await auth.refusal(request) if auth is not None else None
+            return refusal if refusal is not None else await handler(request)
+
+        app = web.Application(middlewares=[authenticate, _cross_site_guard])
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 
-from kafscale.adminhttp import AdminServer, Check
+from kafscale.adminhttp import AdminAuth, AdminServer, Check
 from kafscale.broker.handlers import Broker
 from kafscale.broker.logproc import LogService
 from kafscale.broker.shm import SharedArea, SharedCache
@@ -130,7 +130,7 @@ async def run_log_process(cfg: Config, area: SharedArea, socket_path: str, ready
     admin = None
     if cfg.admin_listen:
         admin = AdminServer(cfg.admin_listen, node.readiness_checks(), node.broker.group_lag,
-                            console=(node.meta, cfg.cluster))
+                            console=(node.meta, cfg.cluster), auth=AdminAuth(cfg, node.meta))
         await admin.start()
     os.write(ready_fd, b"1")
     os.close(ready_fd)

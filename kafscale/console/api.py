@@ -27,19 +27,19 @@ USER_ENV, PASSWORD_ENV = "KAFSCALE_CONSOLE_USER", "KAFSCALE_CONSOLE_PASSWORD"
 
 
 async def overview(meta: MetaStore, health: dict[str, str], cluster: str) -> dict[str, Any]:
-    brokers, draining, topics, owners, groups = await asyncio.gather(
-        meta.list_brokers(), meta.draining(), meta.list_topics(), meta.owners(), meta.group_names_with_offsets())
+    brokers, draining, topics, owners, groups, states, counts = await asyncio.gather(
+        meta.list_brokers(), meta.draining(), meta.list_topics(), meta.owners(), meta.group_names_with_offsets(),
+        meta.partition_states(), meta.segment_counts())
     out_topics = []
     hws: dict[tuple[str, int], int] = {}
     for t in sorted(topics, key=lambda t: t.name):
-        counts = await meta.segment_counts(t.name)
         parts = []
         for p in range(t.partitions):
-            state = await meta.get_partition(t.name, p)
-            hw, start = (state[0].hw, state[0].log_start) if state else (0, 0)
+            state = states.get((t.name, p))
+            hw, start = (state.hw, state.log_start) if state else (0, 0)
             hws[(t.name, p)] = hw
             parts.append({"partition": p, "high_watermark": hw, "log_start": start, "leader": owners.get((t.name, p)),
-                          "segments": counts.get(p, 0)})
+                          "segments": counts.get((t.name, p), 0)})
         out_topics.append({"name": t.name, "partitions": parts, "config": t.config,
                            "records": sum(x["high_watermark"] - x["log_start"] for x in parts),
                            "segments": sum(x["segments"] for x in parts)})
@@ -107,7 +107,7 @@ async def serve_standalone(cfg: Config) -> None:
     etcd and S3 (no broker), until SIGINT/SIGTERM."""
     import signal
 
-    from kafscale.adminhttp import AdminServer
+    from kafscale.adminhttp import AdminAuth, AdminServer
     from kafscale.storage.objectstore import ObjectStore
 
     meta = MetaStore(cfg.etcd, cfg.cluster)
@@ -115,7 +115,7 @@ async def serve_standalone(cfg: Config) -> None:
     store = ObjectStore.from_config(cfg)
     await store.start()
     admin = AdminServer(cfg.admin_listen or "127.0.0.1:9644", {"etcd": meta.ping, "s3": store.ping},
-                        console=(meta, cfg.cluster))
+                        console=(meta, cfg.cluster), auth=AdminAuth(cfg, meta))
     await admin.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -358,13 +358,23 @@ class MetaStore:
                                          [tx.put(self.k("segments", topic, p, f"{manifest.base:020d}"),
                                                  manifest.to_json())])
 
-    async def segment_counts(self, topic: str) -> dict[int, int]:
-        """Committed segments per partition of topic (keys only)."""
-        base = self.k("segments", topic, "")
-        out: dict[int, int] = {}
+    async def segment_counts(self) -> dict[tuple[str, int], int]:
+        """Committed segments per partition of every topic (keys only, one paged scan)."""
+        base = self.k("segments", "")
+        out: dict[tuple[str, int], int] = {}
         async for kv in self.scan(base, keys_only=True):
-            p = int(kv.key[len(base):].decode().split("/", 1)[0])
-            out[p] = out.get(p, 0) + 1
+            topic, p, _ = kv.key[len(base):].decode().split("/", 2)
+            key = (name_of(topic), int(p))
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    async def partition_states(self) -> dict[tuple[str, int], PartitionState]:
+        """The state of every partition ever claimed (one paged scan)."""
+        base = self.k("partitions", "")
+        out = {}
+        async for kv in self.scan(base):
+            topic, _, p = kv.key[len(base):].decode().rpartition("/")
+            out[(name_of(topic), int(p))] = PartitionState(**json.loads(kv.value))
         return out
 
     async def list_segments(self, topic: str, p: int) -> list[SegmentManifest]:

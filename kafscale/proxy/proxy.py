@@ -294,7 +294,7 @@ class Proxy:
 async def run_proxy_until_signal(cfg: Config) -> None:
     import signal
 
-    from kafscale.adminhttp import AdminServer
+    from kafscale.adminhttp import AdminAuth, AdminServer
     from kafscale.broker.server import ConnectionLimits, KafkaServer
 
     meta = MetaStore(cfg.etcd, cfg.cluster)
@@ -312,7 +312,7 @@ async def run_proxy_until_signal(cfg: Config) -> None:
             if not proxy.cluster.brokers:
                 raise RuntimeError("no live broker registered in etcd")
 
-        admin = AdminServer(cfg.admin_listen, {"etcd": meta.ping, "brokers": brokers_known})
+        admin = AdminServer(cfg.admin_listen, {"etcd": meta.ping, "brokers": brokers_known}, auth=AdminAuth(cfg, meta))
         await admin.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

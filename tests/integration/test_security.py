@@ -280,3 +280,42 @@ def test_acl_apis_need_the_authorizer(broker):
     with pytest.raises(KafkaException) as exc:
         admin.create_acls([acl])[acl].result(10)
     assert exc.value.args[0].code() == KafkaError.SECURITY_DISABLED
+
+
+def test_admin_endpoint_needs_a_kafka_user_when_the_listener_does(make_broker):
+    """With SASL and the authorizer on, the console and /metrics need HTTP Basic
+    credentials of a super user (probes stay open), and requests a page on
+    another site could send (a form POST, a foreign Origin) are refused."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    from kafscale.devstack import free_port
+
+    admin = f"127.0.0.1:{free_port()}"
+    b = make_broker(workers=1, sasl_mechanisms="PLAIN", authorizer="true", super_users="User:admin",
+                    admin_listen=admin, console_user="ops", console_password="s3cret")
+    add_users(b, "admin", "alice")
+
+    def status(path: str, user: str | None = None, method: str = "GET", body: bytes | None = None,
+               headers: dict[str, str] | None = None) -> int:
+        req = urllib.request.Request(f"http://{admin}{path}", data=body, method=method, headers=headers or {})
+        if user:
+            token = base64.b64encode(f"{user}:{PASSWORDS.get(user, 'wrong')}".encode()).decode()
+            req.add_header("Authorization", f"Basic {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert status("/healthz") == 200 and status("/readyz") == 200
+    for path in ("/", "/api/overview", "/metrics"):
+        assert status(path) == 401, path
+        assert status(path, "mallory") == 401, path
+        assert status(path, "alice") == 403, path
+        assert status(path, "admin") == 200, path
+    form = {"Content-Type": "text/plain"}
+    assert status("/api/topics", "admin", "POST", b'{"name": "x"}', form) == 415
+    foreign = {"Content-Type": "application/json", "Origin": "http://evil.example"}
+    assert status("/api/topics", "admin", "POST", b'{"name": "x"}', foreign) == 403
