@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -139,12 +140,18 @@ class DevStack:
         p = {name: free_port() for name in ("master", "volume", "filer", "admin", "iceberg", "lance", "metrics",
                                             "g_master", "g_volume", "g_filer", "g_s3", "g_admin")}
         logfile = root / "seaweedfs.log"
+        # one identity, the documented dev keys: with identities configured SeaweedFS
+        # refuses anonymous requests (any local user could otherwise read every record)
+        s3_config = root / "s3-identities.json"
+        s3_config.write_text(json.dumps({"identities": [{
+            "name": "kafscale", "credentials": [{"accessKey": DEV_ACCESS_KEY, "secretKey": DEV_SECRET_KEY}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
         env_free = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
         args = [weed_binary(), "mini", f"-dir={root / 's3'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={p['master']}", f"-master.port.grpc={p['g_master']}",
                 f"-volume.port={p['volume']}", f"-volume.port.grpc={p['g_volume']}",
                 f"-filer.port={p['filer']}", f"-filer.port.grpc={p['g_filer']}",
-                f"-s3.port={self.s3_port}", f"-s3.port.grpc={p['g_s3']}",
+                f"-s3.port={self.s3_port}", f"-s3.port.grpc={p['g_s3']}", f"-s3.config={s3_config}",
                 f"-s3.port.iceberg={p['iceberg']}", f"-s3.port.lance={p['lance']}",
                 f"-admin.port={p['admin']}", f"-admin.port.grpc={p['g_admin']}", "-admin.ui=false",
                 "-webdav=false", f"-metricsPort={p['metrics']}",

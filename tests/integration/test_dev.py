@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kafscale.devstack import free_port
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 
@@ -62,3 +64,22 @@ def test_broker_fails_fast_when_etcd_or_s3_is_unusable(stack):
         r = subprocess.run(base + extra, env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, r.stderr[-2000:]
         assert "kafscale: cannot start" in r.stderr and message in r.stderr
+
+
+def test_the_dev_s3_refuses_anonymous_requests(stack):
+    """The dev SeaweedFS knows one identity, the documented keys: a request
+    without them (any local user, straight to S3) is refused."""
+    import botocore.config
+    import botocore.session
+    from botocore import UNSIGNED
+    from botocore.exceptions import ClientError
+
+    anon = botocore.session.get_session().create_client(
+        "s3", endpoint_url=stack.s3_endpoint, region_name="us-east-1",
+        config=botocore.config.Config(signature_version=UNSIGNED, retries={"max_attempts": 1}))
+    for call in (lambda: anon.list_objects_v2(Bucket=stack.bucket),
+                 lambda: anon.put_object(Bucket=stack.bucket, Key="anonymous", Body=b"x"),
+                 lambda: anon.get_object(Bucket=stack.bucket, Key="_kafscale/ready")):
+        with pytest.raises(ClientError, match="AccessDenied"):
+            call()
+    stack.s3_client().head_object(Bucket=stack.bucket, Key="_kafscale/ready")  # the keys still work
