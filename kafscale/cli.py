@@ -58,7 +58,7 @@ def _drain(cfg: config_mod.Config, broker_id: int, draining: bool) -> int:
     from kafscale.metadata.store import MetaStore
 
     async def go() -> None:
-        meta = MetaStore(cfg.etcd, cfg.cluster)
+        meta = MetaStore.from_config(cfg)
         await meta.start()
         try:
             await meta.set_draining(broker_id, draining)

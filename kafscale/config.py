@@ -39,7 +39,9 @@ class Config:
     super_users: str = _opt("", "principals that bypass ACLs, separated by ';' (e.g. User:admin)")
     allow_everyone_if_no_acl_found: bool = _opt(False, "with the authorizer: allow access to resources that no "
                                                 "ACL names (default: deny)")
-    etcd: str = _opt("127.0.0.1:2379", "etcd endpoint host:port")
+    etcd: str = _opt("127.0.0.1:2379", "etcd endpoints host:port[,host:port...] (the first that answers is used)")
+    etcd_user: str = _opt("", "etcd user (etcd authentication; empty: none)")
+    etcd_password: str = _opt("", "password of etcd_user")
     cluster: str = _opt("default", "cluster name: etcd key prefix /kafscale/{cluster}/")
     s3_endpoint: str = _opt("", "S3 endpoint URL (empty: AWS default)")
     s3_region: str = _opt("us-east-1", "S3 region")
@@ -130,7 +132,8 @@ def _convert(f: dataclasses.Field, raw: Any) -> Any:
     return str(raw)
 
 
-STORE_FIELDS = ("etcd", "cluster", "s3_endpoint", "s3_region", "s3_access_key", "s3_secret_key", "bucket", "namespace")
+STORE_FIELDS = ("etcd", "etcd_user", "etcd_password", "cluster", "s3_endpoint", "s3_region", "s3_access_key",
+                "s3_secret_key", "bucket", "namespace")
 
 
 def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),

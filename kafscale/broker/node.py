@@ -35,7 +35,7 @@ class BrokerNode:
         self.cfg = cfg
         self.cache = cache
         self.store = ObjectStore.from_config(cfg)
-        self.meta = MetaStore(cfg.etcd, cfg.cluster)
+        self.meta = MetaStore.from_config(cfg)
         self.broker: Broker | None = None
         self._lease = None
         self._keepalive: asyncio.Task[None] | None = None

@@ -110,7 +110,7 @@ async def serve_standalone(cfg: Config) -> None:
     from kafscale.adminhttp import AdminAuth, AdminServer
     from kafscale.storage.objectstore import ObjectStore
 
-    meta = MetaStore(cfg.etcd, cfg.cluster)
+    meta = MetaStore.from_config(cfg)
     await meta.start()
     store = ObjectStore.from_config(cfg)
     await store.start()

@@ -171,16 +171,22 @@ def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
 
 
 class MetaStore:
-    def __init__(self, endpoints: str, cluster: str = "default") -> None:
+    def __init__(self, endpoints: str, cluster: str = "default", user: str | None = None,
+                 password: str | None = None) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.prefix = f"/kafscale/{cluster}/"
+        self.credentials = {"username": user, "password": password} if user else {}
         self.client: Any = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> MetaStore:
+        return cls(cfg.etcd, cfg.cluster, cfg.etcd_user or None, cfg.etcd_password or None)
 
     async def start(self) -> None:
         """Connect to the first endpoint that answers (fail fast if none does)."""
         error: Exception | None = None
         for host, port in self.endpoints:
-            client = aetcd.Client(host=host, port=port, timeout=10)
+            client = aetcd.Client(host=host, port=port, timeout=10, **self.credentials)
             try:
                 await client.connect()
                 await client.status()

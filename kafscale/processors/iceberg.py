@@ -185,7 +185,7 @@ class IcebergProcessor:
 
     async def run(self, interval_s: float, once: bool) -> None:
         self.table = await asyncio.to_thread(self.open_table)
-        meta = MetaStore(self.cfg.etcd, self.cfg.cluster)
+        meta = MetaStore.from_config(self.cfg)
         await meta.start()
         try:
             while True:

@@ -297,7 +297,7 @@ async def run_proxy_until_signal(cfg: Config) -> None:
     from kafscale.adminhttp import AdminAuth, AdminServer
     from kafscale.broker.server import ConnectionLimits, KafkaServer
 
-    meta = MetaStore(cfg.etcd, cfg.cluster)
+    meta = MetaStore.from_config(cfg)
     await meta.start()
     proxy = Proxy(cfg, meta)
     await proxy.start()

@@ -25,7 +25,7 @@ def _run(args: argparse.Namespace, fn: Callable[[MetaStore, argparse.Namespace],
     cfg = config_mod.load(args)
 
     async def go() -> int:
-        meta = MetaStore(cfg.etcd, cfg.cluster)
+        meta = MetaStore.from_config(cfg)
         await meta.start()
         try:
             return await fn(meta, args)

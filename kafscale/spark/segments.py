@@ -36,11 +36,14 @@ class StoreOptions:
     secret_key: str | None = None
     etcd: str | None = None
     cluster: str = "default"
+    etcd_user: str | None = None
+    etcd_password: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, use_etcd: bool = True) -> StoreOptions:
         return cls(cfg.bucket, cfg.namespace, cfg.s3_endpoint or None, cfg.s3_region, cfg.s3_access_key or None,
-                   cfg.s3_secret_key or None, cfg.etcd if use_etcd else None, cfg.cluster)
+                   cfg.s3_secret_key or None, cfg.etcd if use_etcd else None, cfg.cluster,
+                   cfg.etcd_user or None, cfg.etcd_password or None)
 
     @classmethod
     def from_source_options(cls, options: dict[str, str]) -> StoreOptions:
@@ -48,13 +51,15 @@ class StoreOptions:
         if not o.get("bucket"):
             raise ValueError("option 'bucket' is required")
         return cls(o["bucket"], o.get("namespace", "kafscale"), o.get("endpoint") or None, o.get("region"),
-                   o.get("accesskey"), o.get("secretkey"), o.get("etcd") or None, o.get("cluster", "default"))
+                   o.get("accesskey"), o.get("secretkey"), o.get("etcd") or None, o.get("cluster", "default"),
+                   o.get("etcduser") or None, o.get("etcdpassword") or None)
 
     def as_source_options(self) -> dict[str, str]:
         """The same settings as options of spark.read.format("kafscale")."""
         names = {"bucket": self.bucket, "namespace": self.namespace, "endpoint": self.endpoint,
                  "region": self.region, "accessKey": self.access_key, "secretKey": self.secret_key,
-                 "etcd": self.etcd, "cluster": self.cluster}
+                 "etcd": self.etcd, "cluster": self.cluster, "etcdUser": self.etcd_user,
+                 "etcdPassword": self.etcd_password}
         return {k: v for k, v in names.items() if v}
 
     def store(self) -> ObjectStore:
@@ -94,7 +99,7 @@ async def list_segments(opts: StoreOptions, topic: str) -> dict[int, tuple[list[
 
 
 async def _from_etcd(opts: StoreOptions, topic: str) -> dict[int, tuple[list[Segment], int, int]]:
-    meta = MetaStore(opts.etcd or "", opts.cluster)
+    meta = MetaStore(opts.etcd or "", opts.cluster, opts.etcd_user, opts.etcd_password)
     await meta.start()
     try:
         tm = await meta.get_topic(topic)

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+import pytest
 from confluent_kafka import Producer
 
 from kafscale import _native
@@ -196,3 +197,34 @@ def test_a_broker_uses_the_next_etcd_endpoint_when_the_first_is_down(make_broker
     b = make_broker(workers=1, etcd=f"127.0.0.1:{dead},{stack.etcd_endpoint}")
     create_topic(b.bootstrap, topic_name)
     assert confluent_produce(b.bootstrap, topic_name, [Rec(None, b"v")]) == [0]
+
+
+def test_etcd_with_authentication(tmp_path, topic_name):
+    """Against an etcd with authentication on (its own, so the shared one stays
+    open), a broker with etcd_user/etcd_password works and one without is refused at start."""
+    import subprocess
+    from pathlib import Path
+
+    from kafscale.devstack import DevStack, etcd_binary
+    from tests.conftest import BrokerProcess
+
+    own = DevStack(data_dir=str(tmp_path / "stack")).start()
+    try:
+        etcdctl = [str(Path(etcd_binary()).with_name("etcdctl")), f"--endpoints={own.etcd_endpoint}"]
+        for args in (["user", "add", "root:root-secret"], ["user", "add", "kafscale:etcd-secret"],
+                     ["role", "add", "kafscale"],
+                     ["role", "grant-permission", "kafscale", "--prefix=true", "readwrite", "/kafscale/"],
+                     ["user", "grant-role", "kafscale", "kafscale"], ["auth", "enable"]):
+            subprocess.run([*etcdctl, *args], check=True, capture_output=True, timeout=30)
+        refused = BrokerProcess(own, tmp_path, "authz", workers=1)
+        with pytest.raises(RuntimeError, match="etcd"):
+            refused.start()
+        b = BrokerProcess(own, tmp_path, "auth", workers=1, etcd_user="kafscale", etcd_password="etcd-secret")
+        b.start()
+        try:
+            create_topic(b.bootstrap, topic_name)
+            assert confluent_produce(b.bootstrap, topic_name, [Rec(None, b"v")]) == [0]
+        finally:
+            b.stop()
+    finally:
+        own.stop()

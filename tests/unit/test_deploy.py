@@ -98,3 +98,18 @@ def test_dockerfile_is_multi_stage_non_root_and_its_context_builds(tmp_path):
 
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("kafscale/_native/core.") and n.endswith(".so") for n in names), "native extension built"
+
+
+def test_network_policies_close_etcd_and_the_admin_ports():
+    """Default deny; etcd only from the brokers, the proxy and its peers; the
+    admin port (console, /metrics) only in-namespace and from monitoring."""
+    policies = {d["metadata"]["name"]: d["spec"] for d in documents() if d["kind"] == "NetworkPolicy"}
+    assert policies["default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    etcd = policies["etcd-from-kafscale-only"]
+    assert etcd["podSelector"] == {"matchLabels": {"app": "etcd"}}
+    sources = {s["podSelector"]["matchLabels"]["app"] for rule in etcd["ingress"] for s in rule["from"]}
+    assert sources == {"kafscale-broker", "kafscale-proxy", "etcd"}
+    admin_rules = [r for r in policies["kafka-clients-and-admin"]["ingress"] if r["ports"] == [{"port": 9644}]]
+    assert admin_rules and all(r.get("from") for r in admin_rules), "the admin port is never open to all"
+    assert not [d for d in documents() if d["kind"] == "Service"
+                and any(p.get("port") == 9644 for p in d["spec"]["ports"])], "no Service exposes the admin port"
