@@ -57,7 +57,8 @@ class SaslFailed(Exception):
 
 
 def _failed(mechanism: str) -> SaslFailed:
-    # one message whatever went wrong, so a client cannot probe for user names
+    # one message whatever went wrong; SCRAM still fails at another step for an
+    # unknown user than for a wrong password (as in Kafka), so names can be probed
     return SaslFailed(f"Authentication failed: invalid credentials with SASL mechanism {mechanism}")
 
 
