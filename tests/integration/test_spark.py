@@ -19,6 +19,8 @@ pyspark = pytest.importorskip("pyspark")
 
 CODECS = ["none", "gzip", "snappy", "lz4", "zstd"]
 T0 = 1_700_000_000_000
+# records here carry T0-based (2023) timestamps: their topics keep them whatever their age
+KEEP = {"retention.ms": "-1"}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def test_reads_every_record_with_mixed_codecs(spark, broker, topic_name):
     """Every record produced through the broker comes back from the segments
     with its key, value, offset, timestamp and headers, whatever the codec,
     planned from etcd or from an S3 listing, in whole segments or in slices."""
-    create_topic(broker.bootstrap, topic_name, partitions=2)
+    create_topic(broker.bootstrap, topic_name, partitions=2, config=KEEP)
     want: dict[tuple[int, int], tuple] = {}
     for i, codec in enumerate(CODECS):
         for p in range(2):
@@ -103,7 +105,7 @@ def produce_rounds(broker, topic: str, rounds: int, per_round: int) -> list[list
 
 
 def test_offset_and_time_ranges_read_only_the_needed_objects(spark, broker, topic_name, s3log):
-    create_topic(broker.bootstrap, topic_name)
+    create_topic(broker.bootstrap, topic_name, config=KEEP)
     rounds = produce_rounds(broker, topic_name, 5, 200)
     keys = segment_keys(broker, topic_name)
     base_of = {k: int(k.rsplit("segment-", 1)[1][:20]) for k in keys}
@@ -147,7 +149,7 @@ def run_cli(broker, *args: str, timeout: float = 300) -> subprocess.CompletedPro
 
 
 def test_replay_to_files_and_back_into_a_topic(broker, topic_name, tmp_path):
-    create_topic(broker.bootstrap, topic_name)
+    create_topic(broker.bootstrap, topic_name, config=KEEP)
     rounds = produce_rounds(broker, topic_name, 3, 100)
     out = tmp_path / "out"
     when = datetime.fromtimestamp((T0 + 1_000_000) / 1000, UTC).isoformat().replace("+00:00", "Z")
@@ -160,7 +162,7 @@ def test_replay_to_files_and_back_into_a_topic(broker, topic_name, tmp_path):
     assert {x["value"] for x in rows} == {f"round {r} record {i}" for r in (1, 2) for i in range(100)}
 
     target = f"{topic_name}-copy"
-    create_topic(broker.bootstrap, target)
+    create_topic(broker.bootstrap, target, config=KEEP)
     r = run_cli(broker, "replay", "--topic", topic_name, "--to", str(rounds[1][-1] + 1), "--to-topic", target,
                 "--bootstrap", broker.bootstrap)
     assert r.returncode == 0, r.stderr[-3000:]
