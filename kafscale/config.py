@@ -35,6 +35,8 @@ class Config:
     tls_broker_ca: str = _opt("", "proxy: connect to the brokers over TLS, trusting this PEM CA bundle")
     sasl_mechanisms: str = _opt("", "comma-separated SASL mechanisms the Kafka listener requires: PLAIN, "
                                 "SCRAM-SHA-256, SCRAM-SHA-512 (empty: no SASL); users: kafscale users add")
+    proxy_secret: str = _opt("", "shared by the brokers and proxies of a cluster: lets a proxy speak for each "
+                             "client (its SASL principal and address reach the brokers' ACLs); empty: off")
     authorizer: bool = _opt(False, "enforce ACLs (kept in etcd; kafscale acls or Kafka's CreateAcls/DeleteAcls)")
     super_users: str = _opt("", "principals that bypass ACLs, separated by ';' (e.g. User:admin)")
     allow_everyone_if_no_acl_found: bool = _opt(False, "with the authorizer: allow access to resources that no "

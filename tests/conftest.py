@@ -140,8 +140,8 @@ def make_cluster(stack: DevStack, tmp_path: Path) -> Iterator:
         """n brokers (node ids 1..n), then the cluster's proxy if asked for."""
         cluster = f"c{uuid.uuid4().hex[:10]}"
         procs = [BrokerProcess(stack, tmp_path, cluster, node_id=i + 1, **config) for i in range(n)]
-        if proxy:
-            procs.append(BrokerProcess(stack, tmp_path, cluster, command="proxy"))
+        if proxy:  # the same settings (SASL, proxy_secret, ...) as its brokers
+            procs.append(BrokerProcess(stack, tmp_path, cluster, command="proxy", **config))
         made.extend(procs)
         return [b.start() for b in procs]
 

@@ -28,7 +28,7 @@ from kafscale.protocol.error_response import error_response, unavailable_code
 from kafscale.protocol.errors import ErrorCode, KafkaError
 from kafscale.protocol.framing import RequestHeader, encode_response, parse_request_header
 from kafscale.protocol.schemas import API_VERSIONS, APIS, PRODUCE, SASL_AUTHENTICATE, SASL_HANDSHAKE
-from kafscale.security.sasl import ANONYMOUS, Lookup, SaslExchange, SaslFailed
+from kafscale.security.sasl import ANONYMOUS, PROXY_MECHANISM, Lookup, ProxyIdentity, SaslExchange, SaslFailed
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +103,10 @@ class Session:
     conn: int
     peer: Any
     authenticated: bool
+    client_host: str = ""  # "/address", as Kafka's ACLs name hosts; a trusted proxy replaces it
     principal: str = ANONYMOUS
-    exchange: SaslExchange | None = None
+    exchange: SaslExchange | ProxyIdentity | None = None
+    proxied: bool = False  # a trusted proxy named the client this connection speaks for
     raw_tokens: bool = False  # after SaslHandshake v0: bare size-prefixed SASL tokens, no Kafka framing
     closing: bool = False  # authentication failed: close once the answer is sent
     in_flight: int = 0  # requests read and not yet answered: the connection is not idle
@@ -168,9 +170,10 @@ def parse_header(frame: memoryview) -> tuple[RequestHeader, int]:
 class KafkaServer:
     def __init__(self, handlers: dict[int, Handler], host: str, port: int, limits: ConnectionLimits,
                  reuse_port: bool = False, forward: Forward | None = None, ssl: ssl_mod.SSLContext | None = None,
-                 sasl: SaslSettings | None = None) -> None:
+                 sasl: SaslSettings | None = None, proxy_secret: str = "") -> None:
         self.handlers = handlers
         self.sasl = sasl
+        self.proxy_secret = proxy_secret  # set: a proxy knowing it may speak for its clients (ProxyIdentity)
         self._sasl_handlers: dict[int, Handler] = {SASL_HANDSHAKE.key: self.sasl_handshake,
                                                    SASL_AUTHENTICATE.key: self.sasl_authenticate}
         self.ssl = ssl
@@ -218,7 +221,6 @@ class KafkaServer:
         self._conns[me] = writer
         conn = next(_conn_ids)
         peer = writer.get_extra_info("peername")
-        client_host = f"/{peer[0]}" if isinstance(peer, tuple) else ""
         append_order = asyncio.Lock()
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -226,7 +228,8 @@ class KafkaServer:
         queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestHeader] | None] = asyncio.Queue(
             MAX_IN_FLIGHT)
         sender = asyncio.create_task(self._send_loop(queue, writer, conn, peer))
-        session = Session(conn, peer, authenticated=self.sasl is None)
+        session = Session(conn, peer, authenticated=self.sasl is None,
+                          client_host=f"/{peer[0]}" if isinstance(peer, tuple) else "")
         SESSION.set(session)  # request tasks copy this context
         try:
             while not sender.done():
@@ -241,7 +244,7 @@ class KafkaServer:
                         hdr, body_at = parse_header(frame)
                         if not session.authenticated and hdr.api_key not in _BEFORE_AUTH:
                             raise ProtocolViolation(f"{APIS[hdr.api_key].name} request before SASL authentication")
-                        hdr.client_host, hdr.append_order = client_host, append_order
+                        hdr.client_host, hdr.append_order = session.client_host, append_order
                         hdr.principal = session.principal
                         task = asyncio.create_task(self._handle(hdr, frame, body_at))
                 except BaseException:
@@ -344,6 +347,12 @@ class KafkaServer:
     async def sasl_handshake(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         session = SESSION.get()
         offered = list(self.sasl.mechanisms) if self.sasl else []
+        if req["mechanism"] == PROXY_MECHANISM and self.proxy_secret and hdr.api_version >= 1:
+            if session.exchange is not None or session.proxied or session.principal != ANONYMOUS:
+                session.closing = True
+                return {"error_code": ErrorCode.ILLEGAL_SASL_STATE, "mechanisms": offered}
+            session.exchange = ProxyIdentity(self.proxy_secret)
+            return {"error_code": 0, "mechanisms": offered}
         if self.sasl is None or session.authenticated or session.exchange is not None:
             session.closing = True
             return {"error_code": ErrorCode.ILLEGAL_SASL_STATE, "mechanisms": offered}
@@ -369,6 +378,8 @@ class KafkaServer:
             raise
         if exchange.principal is not None:
             session.principal, session.authenticated, session.raw_tokens = exchange.principal, True, False
+            if isinstance(exchange, ProxyIdentity):
+                session.client_host, session.proxied = exchange.client_host, True
             log.debug("conn %d from %s: authenticated as %s (%s)", session.conn, session.peer,
                       exchange.principal, exchange.mechanism)
         return answer
@@ -383,7 +394,8 @@ class KafkaServer:
 
     async def sasl_authenticate(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         session = SESSION.get()
-        if session.exchange is None or session.authenticated:
+        proxy_step = isinstance(session.exchange, ProxyIdentity) and not session.proxied
+        if session.exchange is None or (session.authenticated and not proxy_step):
             session.closing = True
             return {"error_code": ErrorCode.ILLEGAL_SASL_STATE, "error_message": "no SASL handshake in progress",
                     "auth_bytes": b""}

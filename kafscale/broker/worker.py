@@ -129,7 +129,8 @@ class Worker:
         mechanisms = self.cfg.sasl_mechanism_list()
         sasl = SaslSettings(mechanisms, lambda user: self.chan.call("user", user)) if mechanisms else None
         self.server = KafkaServer(self.handlers, host, port, ConnectionLimits.from_config(self.cfg), reuse_port=True,
-                                  forward=self.forward, ssl=self.cfg.server_ssl(), sasl=sasl)
+                                  forward=self.forward, ssl=self.cfg.server_ssl(), sasl=sasl,
+                                  proxy_secret=self.cfg.proxy_secret)
         await self.server.start()
 
     async def run_until_log_process_exits(self) -> None:

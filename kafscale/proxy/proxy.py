@@ -23,6 +23,7 @@ from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
 from kafscale.proxy.upstream import Upstream, UpstreamError
+from kafscale.security.sasl import ProxyIdentity
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,10 @@ class Proxy:
         if u is None or (u.host, u.port) != (host, port):
             if u is not None:  # the broker came back elsewhere
                 await u.close()
-            u = mine[broker] = Upstream(host, port, self.cfg.broker_ssl())
+            identity = None  # with proxy_secret, the broker authorizes as the client, from the client's address
+            if self.cfg.proxy_secret and session is not None:
+                identity = ProxyIdentity.token(self.cfg.proxy_secret, session.principal, session.client_host)
+            u = mine[broker] = Upstream(host, port, self.cfg.broker_ssl(), identity)
         return u
 
     async def _close_upstreams(self, conn: int) -> None:
@@ -295,14 +299,17 @@ async def run_proxy_until_signal(cfg: Config) -> None:
     import signal
 
     from kafscale.adminhttp import AdminAuth, AdminServer
-    from kafscale.broker.server import ConnectionLimits, KafkaServer
+    from kafscale.broker.server import ConnectionLimits, KafkaServer, SaslSettings
 
     meta = MetaStore.from_config(cfg)
     await meta.start()
     proxy = Proxy(cfg, meta)
     await proxy.start()
     host, port = cfg.listen_addr()
-    server = KafkaServer(proxy.handlers, host, port, ConnectionLimits.from_config(cfg), ssl=cfg.server_ssl())
+    mechanisms = cfg.sasl_mechanism_list()
+    sasl = SaslSettings(mechanisms, meta.get_user) if mechanisms else None
+    server = KafkaServer(proxy.handlers, host, port, ConnectionLimits.from_config(cfg), ssl=cfg.server_ssl(),
+                         sasl=sasl)
     await server.start()
     log.info("proxy for cluster %r on %s:%d in front of brokers %s", cfg.cluster, host, server.port,
              sorted(proxy.cluster.brokers))

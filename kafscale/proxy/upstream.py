@@ -12,6 +12,8 @@ import struct
 from typing import Any
 
 from kafscale.protocol.framing import decode_response, encode_request
+from kafscale.protocol.schemas import SASL_AUTHENTICATE, SASL_HANDSHAKE
+from kafscale.security.sasl import PROXY_MECHANISM
 
 
 class UpstreamError(ConnectionError):
@@ -19,9 +21,13 @@ class UpstreamError(ConnectionError):
 
 
 class Upstream:
-    def __init__(self, host: str, port: int, ssl: ssl_mod.SSLContext | None = None) -> None:
+    def __init__(self, host: str, port: int, ssl: ssl_mod.SSLContext | None = None,
+                 identity: bytes | None = None) -> None:
+        """identity: a ProxyIdentity token naming the client this connection
+        speaks for, sent first on every (re)connection."""
         self.host, self.port = host, port
         self.ssl = ssl
+        self.identity = identity
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._waiting: dict[int, tuple[asyncio.Future[dict[str, Any]], int, int]] = {}
@@ -40,6 +46,16 @@ class Upstream:
             self._reader, self._writer = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port, ssl=self.ssl), 5)
             self._reading = asyncio.create_task(self._read_loop())
+            if self.identity is not None:
+                await self._speak_for_client(self.identity)
+
+    async def _speak_for_client(self, token: bytes) -> None:
+        shake = await self._call(SASL_HANDSHAKE.key, 1, {"mechanism": PROXY_MECHANISM}, 5)
+        auth = await self._call(SASL_AUTHENTICATE.key, 2, {"auth_bytes": token}, 5)
+        if shake["error_code"] or auth["error_code"]:
+            await self.close()
+            raise UpstreamError(f"{self.host}:{self.port} refused this proxy's client identity (error "
+                                f"{shake['error_code'] or auth['error_code']}): is proxy_secret the same on both?")
 
     async def _read_loop(self) -> None:
         assert self._reader is not None
@@ -76,12 +92,18 @@ class Upstream:
             await self._connect()
         except (OSError, TimeoutError) as exc:
             raise UpstreamError(f"cannot reach {self.host}:{self.port}: {exc}") from exc
+        if not expect_reply:  # acks=0 produce: the broker sends nothing back
+            assert self._writer is not None
+            self._writer.write(encode_request(api_key, version, next(self._ids) & 0x7FFFFFFF, body,
+                                              client_id=client_id))
+            return None
+        return await self._call(api_key, version, body, timeout_s, client_id)
+
+    async def _call(self, api_key: int, version: int, body: dict[str, Any], timeout_s: float,
+                    client_id: str | None = "kafscale-proxy") -> dict[str, Any]:
         assert self._writer is not None
         corr = next(self._ids) & 0x7FFFFFFF
         frame = encode_request(api_key, version, corr, body, client_id=client_id)
-        if not expect_reply:  # acks=0 produce: the broker sends nothing back
-            self._writer.write(frame)
-            return None
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[corr] = (fut, api_key, version)
         self._writer.write(frame)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -135,3 +136,36 @@ class SaslExchange:
             raise _failed(self.mechanism) from None
         self.principal = f"User:{self._user}"
         return self._scram.get_server_final().encode()
+
+
+PROXY_MECHANISM = "KAFSCALE-PROXY"
+
+
+class ProxyIdentity:
+    """The SASL exchange a `kafscale proxy` opens each of its connections to a
+    broker with, on behalf of one client connection: one JSON token naming
+    the shared secret (`proxy_secret`, known only to brokers and proxies), the
+    client's principal and its address. The broker then authorizes that
+    connection's requests as the client's, host ACLs included."""
+
+    mechanism = PROXY_MECHANISM
+
+    def __init__(self, secret: str) -> None:
+        self.secret = secret
+        self.principal: str | None = None
+        self.client_host = ""
+
+    @staticmethod
+    def token(secret: str, principal: str, client_host: str) -> bytes:
+        return json.dumps({"secret": secret, "principal": principal, "host": client_host}).encode()
+
+    async def step(self, token: bytes) -> bytes:
+        try:
+            d = json.loads(token)
+            secret, principal, host = str(d["secret"]), str(d["principal"]), str(d["host"])
+        except (ValueError, KeyError, TypeError):
+            raise SaslFailed("malformed proxy identity") from None
+        if not hmac.compare_digest(secret.encode(), self.secret.encode()) or not principal.startswith("User:"):
+            raise SaslFailed("proxy identity refused")
+        self.principal, self.client_host = principal, host
+        return b""

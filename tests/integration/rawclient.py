@@ -9,9 +9,11 @@ from kafscale.protocol.framing import decode_response, encode_request
 
 
 class RawClient:
-    def __init__(self, bootstrap: str, timeout: float = 10) -> None:
+    def __init__(self, bootstrap: str, timeout: float = 10, source: str | None = None) -> None:
+        """source: the local address to connect from (any 127.x.y.z is this machine)."""
         host, _, port = bootstrap.rpartition(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout,
+                                             source_address=(source, 0) if source else None)
         self.correlation = 0
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ Kafka error codes of SASL misuse, and ACLs set through Kafka's ACL APIs and
 `kafscale acls`, enforced on produce, fetch, groups and admin requests."""
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from tests.integration.clients import (
     Rec,
     aiokafka_consume,
     aiokafka_produce,
+    create_topic,
     kafka_python_consume,
     kafka_python_produce,
     kcat,
@@ -319,3 +321,56 @@ def test_admin_endpoint_needs_a_kafka_user_when_the_listener_does(make_broker):
     assert status("/api/topics", "admin", "POST", b'{"name": "x"}', form) == 415
     foreign = {"Content-Type": "application/json", "Origin": "http://evil.example"}
     assert status("/api/topics", "admin", "POST", b'{"name": "x"}', foreign) == 403
+
+
+def test_sasl_and_acls_through_the_proxy(make_cluster, topic_name):
+    """The proxy authenticates clients with the cluster's SASL users and, with
+    proxy_secret, opens each client's broker connections as that client: the
+    brokers' ACLs apply to alice through the proxy as they do directly."""
+    *brokers, proxy = make_cluster(2, proxy=True, workers=1, sasl_mechanisms="PLAIN", authorizer="true",
+                                   super_users="User:admin", proxy_secret="proxy-s3cret")
+    add_users(brokers[0], "admin", "alice")
+    admin = AdminClient({"bootstrap.servers": proxy.bootstrap, **sasl("admin")})
+    orders, payments = f"orders-{topic_name}", f"payments-{topic_name}"
+    for f in admin.create_topics([NewTopic(orders, 4, 1), NewTopic(payments, 1, 1)]).values():
+        f.result(30)
+    grant = AclBinding(ResourceType.TOPIC, orders, ResourcePatternType.LITERAL, "User:alice", "*",
+                       AclOperation.WRITE, AclPermissionType.ALLOW)
+    admin.create_acls([grant])[grant].result(10)
+    time.sleep(1.5)  # brokers re-read ACLs every second
+    assert produce_errors(proxy.bootstrap, sasl("alice"), orders, 20) == set()
+    assert produce_errors(proxy.bootstrap, sasl("alice"), payments, 1) == {KafkaError.TOPIC_AUTHORIZATION_FAILED}
+    wrong = {**sasl("alice"), "sasl.password": "wrong"}
+    with pytest.raises(KafkaException):
+        AdminClient({"bootstrap.servers": proxy.bootstrap, **wrong}).list_topics(timeout=5)
+
+
+def test_host_acls_hold_through_the_proxy(make_cluster, topic_name):
+    """With proxy_secret, brokers see each client's own address behind the
+    proxy: an ACL allowing only host 127.0.0.1 lets a client connecting from
+    127.0.0.1 describe the topic and refuses one from 127.0.0.2."""
+    *brokers, proxy = make_cluster(1, proxy=True, workers=1, authorizer="true", allow_everyone_if_no_acl_found="true",
+                                   proxy_secret="proxy-s3cret")
+    create_topic(brokers[0].bootstrap, topic_name)  # allowed: no ACL names the cluster or the topic yet
+    kafscale(brokers[0], "acls", "add", "--principal", "User:ANONYMOUS", "--operation", "describe",
+             "--topic", topic_name, "--host", "127.0.0.1")
+    time.sleep(1.5)
+
+    def describe_from(source: str) -> int:
+        c = RawClient(proxy.bootstrap, source=source)
+        md = c.request(schemas.METADATA.key, 12, {"topics": [{"name": topic_name, "topic_id": bytes(16)}],
+                                          "allow_auto_topic_creation": False,
+                                          "include_topic_authorized_operations": False})
+        c.close()
+        return md["topics"][0]["error_code"]
+
+    assert describe_from("127.0.0.1") == 0
+    assert describe_from("127.0.0.2") == ErrorCode.TOPIC_AUTHORIZATION_FAILED
+    # a client cannot pass itself off as the proxy without the secret
+    c = RawClient(brokers[0].bootstrap, source="127.0.0.2")
+    assert c.request(schemas.SASL_HANDSHAKE.key, 1, {"mechanism": "KAFSCALE-PROXY"})["error_code"] == 0
+    token = json.dumps({"secret": "guess", "principal": "User:admin", "host": "/127.0.0.1"}).encode()
+    r = c.request(schemas.SASL_AUTHENTICATE.key, 2, {"auth_bytes": token})
+    assert r["error_code"] == ErrorCode.SASL_AUTHENTICATION_FAILED
+    assert c.closed_by_peer()
+    c.close()
