@@ -44,6 +44,9 @@ class Config:
     etcd: str = _opt("127.0.0.1:2379", "etcd endpoints host:port[,host:port...] (the first that answers is used)")
     etcd_user: str = _opt("", "etcd user (etcd authentication; empty: none)")
     etcd_password: str = _opt("", "password of etcd_user")
+    etcd_ca: str = _opt("", "PEM CA bundle: speak TLS to etcd, trusting its certificate by this CA")
+    etcd_cert: str = _opt("", "with etcd_ca: PEM client certificate to present to etcd (mutual TLS)")
+    etcd_key: str = _opt("", "PEM private key of etcd_cert")
     cluster: str = _opt("default", "cluster name: etcd key prefix /kafscale/{cluster}/")
     s3_endpoint: str = _opt("", "S3 endpoint URL (empty: AWS default)")
     s3_region: str = _opt("us-east-1", "S3 region")
@@ -134,8 +137,8 @@ def _convert(f: dataclasses.Field, raw: Any) -> Any:
     return str(raw)
 
 
-STORE_FIELDS = ("etcd", "etcd_user", "etcd_password", "cluster", "s3_endpoint", "s3_region", "s3_access_key",
-                "s3_secret_key", "bucket", "namespace")
+STORE_FIELDS = ("etcd", "etcd_user", "etcd_password", "etcd_ca", "etcd_cert", "etcd_key", "cluster", "s3_endpoint",
+                "s3_region", "s3_access_key", "s3_secret_key", "bucket", "namespace")
 
 
 def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),

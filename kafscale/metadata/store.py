@@ -172,21 +172,33 @@ def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
 
 class MetaStore:
     def __init__(self, endpoints: str, cluster: str = "default", user: str | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, tls: tuple[str, str, str] | None = None) -> None:
+        """tls: (CA bundle, client certificate, client key) PEM paths to speak
+        TLS to etcd (certificate and key may be empty)."""
         self.endpoints = parse_endpoints(endpoints)
         self.prefix = f"/kafscale/{cluster}/"
         self.credentials = {"username": user, "password": password} if user else {}
+        self.tls = tls
         self.client: Any = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> MetaStore:
-        return cls(cfg.etcd, cfg.cluster, cfg.etcd_user or None, cfg.etcd_password or None)
+        return cls(cfg.etcd, cfg.cluster, cfg.etcd_user or None, cfg.etcd_password or None,
+                   (cfg.etcd_ca, cfg.etcd_cert, cfg.etcd_key) if cfg.etcd_ca else None)
+
+    def _client(self, host: str, port: int) -> Any:
+        if self.tls is None:
+            return aetcd.Client(host=host, port=port, timeout=10, **self.credentials)
+        from kafscale.metadata.etcd_client import TlsEtcdClient, tls_credentials
+
+        return TlsEtcdClient(host=host, port=port, timeout=10, credentials=tls_credentials(*self.tls),
+                             **self.credentials)
 
     async def start(self) -> None:
         """Connect to the first endpoint that answers (fail fast if none does)."""
         error: Exception | None = None
         for host, port in self.endpoints:
-            client = aetcd.Client(host=host, port=port, timeout=10, **self.credentials)
+            client = self._client(host, port)
             try:
                 await client.connect()
                 await client.status()

@@ -228,3 +228,37 @@ def test_etcd_with_authentication(tmp_path, topic_name):
             b.stop()
     finally:
         own.stop()
+
+
+def test_etcd_over_tls(stack, certs, tmp_path, topic_name):
+    """An etcd that speaks only TLS: a broker given its CA (etcd_ca) works."""
+    import subprocess
+
+    from kafscale.devstack import etcd_binary, port_is_free
+    from tests.conftest import BrokerProcess
+
+    port, peer = free_port(), free_port()
+    etcd = subprocess.Popen([etcd_binary(), "--name", "tls", "--data-dir", str(tmp_path / "etcd"),
+                             "--listen-client-urls", f"https://127.0.0.1:{port}",
+                             "--advertise-client-urls", f"https://127.0.0.1:{port}",
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-cluster", f"tls=http://127.0.0.1:{peer}",
+                             "--cert-file", str(certs / "server.pem"), "--key-file", str(certs / "server.key"),
+                             "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: not port_is_free(port), 20, "etcd to listen")
+        b = BrokerProcess(stack, tmp_path, "etcdtls", workers=1, etcd=f"127.0.0.1:{port}",
+                          etcd_ca=certs / "ca.pem")
+        b.start()
+        try:
+            create_topic(b.bootstrap, topic_name)
+            assert confluent_produce(b.bootstrap, topic_name, [Rec(None, b"v")]) == [0]
+        finally:
+            b.stop()
+        plain = BrokerProcess(stack, tmp_path, "etcdplain", workers=1, etcd=f"127.0.0.1:{port}")
+        with pytest.raises(RuntimeError, match="etcd"):
+            plain.start()
+    finally:
+        etcd.terminate()
+        etcd.wait(10)

@@ -1,0 +1,56 @@
+"""aetcd's client over TLS. aetcd opens plaintext gRPC channels only; this
+subclass opens a TLS channel (etcd's --cert-file/--key-file, optionally client
+certificates) and then sets up exactly what aetcd.Client.connect sets up: the
+authentication token, the service stubs and the watcher."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aetcd
+import grpc
+from aetcd import rpc, watcher
+
+
+class TlsEtcdClient(aetcd.Client):
+    def __init__(self, *args: Any, credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._channel_credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self.channel = rpc.secure_channel(f"{self._host}:{self._port}", self._channel_credentials,
+                                              options=self._options.items())
+            if self._username is not None and self._password is not None:
+                self.auth_stub = rpc.AuthStub(self.channel)
+                resp = await self.auth_stub.Authenticate(
+                    rpc.AuthenticateRequest(name=self._username, password=self._password), timeout=self._timeout)
+                self.metadata = (("token", resp.token),)
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
+                                            metadata=self.metadata)
+            self._connected.set()
+        except rpc.AioRpcError as exc:
+            aetcd.exceptions._handle_exception(exc)
+        finally:
+            self._is_connecting = False
+
+
+def tls_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    """Trust etcd's certificate by the PEM CA bundle ca; with cert and key, present a client certificate."""
+    def read(path: str) -> bytes | None:
+        if not path:
+            return None
+        with open(path, "rb") as fh:
+            return fh.read()
+
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
