@@ -3,7 +3,6 @@ each test here reproduces a defect a real client found."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 from tests.integration.foreign import NODE, build_go, node, run
-from tests.integration.test_groups import produce_spread, wait_for
+from tests.integration.test_groups import Member, produce_spread, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -106,30 +105,21 @@ def test_fetch_max_bytes_below_two_batches_still_makes_progress(make_broker, top
     assert got == big
 
 
-class KafkajsMember:
-    """A kafkajs group member in its own Node process (tests/integration/node/kafkajs_member.mjs)."""
+class KafkajsMember(Member):
+    """A kafkajs group member in its own Node process (tests/integration/node/kafkajs_member.mjs),
+    writing the same "PARTITION OFFSET" lines as Member, and "joined" per group join."""
 
     def __init__(self, bootstrap: str, group: str, topic: str, out: Path) -> None:
         self.out = out
+        self.err = open(out.with_suffix(".err"), "wb")
         self.proc = subprocess.Popen(["node", str(NODE / "kafkajs_member.mjs"), bootstrap, group, topic, str(out)],
-                                     stdout=subprocess.DEVNULL, stderr=open(out.with_suffix(".err"), "wb"))
+                                     stdout=subprocess.DEVNULL, stderr=self.err)
 
     def lines(self) -> list[str]:
         return self.out.read_text().splitlines() if self.out.exists() else []
 
     def joins(self) -> int:
         return self.lines().count("joined")
-
-    def processed(self) -> set[tuple[int, int]]:
-        return {(int(a), int(b)) for a, b in (ln.split() for ln in self.lines() if ln[0].isdigit())}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def test_kafkajs_group_through_the_proxy_stays_stable(make_cluster, topic_name, tmp_path):
@@ -153,7 +143,7 @@ def test_kafkajs_group_through_the_proxy_stays_stable(make_cluster, topic_name, 
         extra.stop()
         produced |= produce_spread(boot, topic_name, 1000, partitions=4)
         everyone = [*members, extra]
-        wait_for(lambda: produced <= set().union(*(m.processed() for m in everyone)), 90,
+        wait_for(lambda: produced <= {x for m in everyone for x in m.processed()}, 90,
                  "every record to be processed")
         time.sleep(3)  # a few heartbeats: the group must stay settled
     finally:

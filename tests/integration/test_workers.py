@@ -16,6 +16,7 @@ from kafscale import _native
 from kafscale.devstack import free_port
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.schemas import METADATA, OFFSET_COMMIT
+from tests.conftest import BrokerProcess
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 from tests.integration.rawclient import RawClient
 from tests.integration.relay import Relay
@@ -192,11 +193,20 @@ def test_etcd_outage_answers_errors_and_closes_no_connection(make_broker, stack,
         relay.close()
 
 
-def test_a_broker_uses_the_next_etcd_endpoint_when_the_first_is_down(make_broker, stack, topic_name):
+def serves_a_record(b, topic: str) -> None:
+    """Start broker b, create topic through it and produce one record, stop it."""
+    b.start()
+    try:
+        create_topic(b.bootstrap, topic)
+        assert confluent_produce(b.bootstrap, topic, [Rec(None, b"v")]) == [0]
+    finally:
+        b.stop()
+
+
+def test_a_broker_uses_the_next_etcd_endpoint_when_the_first_is_down(stack, tmp_path, topic_name):
     dead = free_port()
-    b = make_broker(workers=1, etcd=f"127.0.0.1:{dead},{stack.etcd_endpoint}")
-    create_topic(b.bootstrap, topic_name)
-    assert confluent_produce(b.bootstrap, topic_name, [Rec(None, b"v")]) == [0]
+    serves_a_record(BrokerProcess(stack, tmp_path, "endpoints", workers=1,
+                                  etcd=f"127.0.0.1:{dead},{stack.etcd_endpoint}"), topic_name)
 
 
 def test_etcd_with_authentication(tmp_path, topic_name):
@@ -206,8 +216,6 @@ def test_etcd_with_authentication(tmp_path, topic_name):
     from pathlib import Path
 
     from kafscale.devstack import DevStack, etcd_binary
-    from tests.conftest import BrokerProcess
-
     own = DevStack(data_dir=str(tmp_path / "stack")).start()
     try:
         etcdctl = [str(Path(etcd_binary()).with_name("etcdctl")), f"--endpoints={own.etcd_endpoint}"]
@@ -219,13 +227,8 @@ def test_etcd_with_authentication(tmp_path, topic_name):
         refused = BrokerProcess(own, tmp_path, "authz", workers=1)
         with pytest.raises(RuntimeError, match="etcd"):
             refused.start()
-        b = BrokerProcess(own, tmp_path, "auth", workers=1, etcd_user="kafscale", etcd_password="etcd-secret")
-        b.start()
-        try:
-            create_topic(b.bootstrap, topic_name)
-            assert confluent_produce(b.bootstrap, topic_name, [Rec(None, b"v")]) == [0]
-        finally:
-            b.stop()
+        serves_a_record(BrokerProcess(own, tmp_path, "auth", workers=1, etcd_user="kafscale",
+                                      etcd_password="etcd-secret"), topic_name)
     finally:
         own.stop()
 
@@ -235,8 +238,6 @@ def test_etcd_over_tls(stack, certs, tmp_path, topic_name):
     import subprocess
 
     from kafscale.devstack import etcd_binary, port_is_free
-    from tests.conftest import BrokerProcess
-
     port, peer = free_port(), free_port()
     etcd = subprocess.Popen([etcd_binary(), "--name", "tls", "--data-dir", str(tmp_path / "etcd"),
                              "--listen-client-urls", f"https://127.0.0.1:{port}",
@@ -248,14 +249,8 @@ def test_etcd_over_tls(stack, certs, tmp_path, topic_name):
                              "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: not port_is_free(port), 20, "etcd to listen")
-        b = BrokerProcess(stack, tmp_path, "etcdtls", workers=1, etcd=f"127.0.0.1:{port}",
-                          etcd_ca=certs / "ca.pem")
-        b.start()
-        try:
-            create_topic(b.bootstrap, topic_name)
-            assert confluent_produce(b.bootstrap, topic_name, [Rec(None, b"v")]) == [0]
-        finally:
-            b.stop()
+        serves_a_record(BrokerProcess(stack, tmp_path, "etcdtls", workers=1, etcd=f"127.0.0.1:{port}",
+                                      etcd_ca=certs / "ca.pem"), topic_name)
         plain = BrokerProcess(stack, tmp_path, "etcdplain", workers=1, etcd=f"127.0.0.1:{port}")
         with pytest.raises(RuntimeError, match="etcd"):
             plain.start()
