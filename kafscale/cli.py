@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from typing import Any
 
 from kafscale import config as config_mod
 from kafscale.extras import MissingExtra
 
+DEV_CONSOLE_PORT = 9644  # kafscale dev serves the console and /metrics here unless told otherwise
 log = logging.getLogger("kafscale")
 
 
@@ -88,8 +90,15 @@ def cmd_dev(args: argparse.Namespace) -> int:
     from kafscale.devstack import DevStack, port_is_free
 
     _setup_logging("INFO")
+    # a development stack: topics are created on first use, and the console is on
+    if args.auto_create_topics is None and "KAFSCALE_AUTO_CREATE_TOPICS" not in os.environ:
+        args.auto_create_topics = True
+    if args.admin_listen is None and "KAFSCALE_ADMIN_LISTEN" not in os.environ:
+        args.admin_listen = f"127.0.0.1:{DEV_CONSOLE_PORT}"
     kafka_ports = [args.port + i for i in range(args.brokers)]
-    for port, what in ((args.etcd_port, "etcd"), (args.s3_port, "S3"), *((p, "Kafka") for p in kafka_ports)):
+    admin_port = int(args.admin_listen.rpartition(":")[2]) if args.admin_listen else None
+    for port, what in ((args.etcd_port, "etcd"), (args.s3_port, "S3"), *((p, "Kafka") for p in kafka_ports),
+                       *(((admin_port, "the console (--admin-listen)"),) if admin_port else ())):
         if not port_is_free(port):
             print(f"kafscale dev: port {port} for {what} is in use", file=sys.stderr)
             return 2
@@ -107,9 +116,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
             if cfg.admin_listen:
                 host, _, admin_port = cfg.admin_listen.rpartition(":")
                 cfg.admin_listen = f"{host}:{int(admin_port) + i}"
-        log.info("KafScale dev: bootstrap.servers=%s  etcd=%s  s3=%s bucket=%s  (Ctrl-C stops all)",
-                 ",".join(f"127.0.0.1:{p}" for p in kafka_ports), stack.etcd_endpoint, stack.s3_endpoint,
-                 stack.bucket)
+        log.info("KafScale dev: bootstrap.servers=%s  console=%s  etcd=%s  s3=%s bucket=%s  (Ctrl-C stops all)",
+                 ",".join(f"127.0.0.1:{p}" for p in kafka_ports),
+                 f"http://{cfgs[0].admin_listen}/" if cfgs[0].admin_listen else "off", stack.etcd_endpoint,
+                 stack.s3_endpoint, stack.bucket)
         return _run_broker(cfgs)
     finally:
         stack.stop()

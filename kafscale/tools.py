@@ -74,6 +74,29 @@ async def topics_alter(c: KafkaClient, args: argparse.Namespace) -> None:
     print(f"altered {args.topic}")
 
 
+async def topics_create(c: KafkaClient, args: argparse.Namespace) -> None:
+    if args.partitions < 1:
+        raise SystemExit(f"kafscale topics: --partitions must be 1 or more, not {args.partitions}")
+    configs = [{"name": k, "value": v} for k, _, v in (s.partition("=") for s in args.config)]
+    resp = await c.request(schemas.CREATE_TOPICS.key, {"topics": [
+        {"name": args.topic, "num_partitions": args.partitions, "replication_factor": -1, "assignments": [],
+         "configs": configs}], "timeout_ms": 30000, "validate_only": False})
+    r = resp["topics"][0]
+    if r["error_code"]:
+        raise KafkaError(r["error_code"], r["error_message"])
+    print(f"created {args.topic} with {args.partitions} partitions")
+
+
+async def topics_delete(c: KafkaClient, args: argparse.Namespace) -> None:
+    resp = await c.request(schemas.DELETE_TOPICS.key, {"topic_names": [args.topic],
+                                                        "topics": [{"name": args.topic, "topic_id": bytes(16)}],
+                                                        "timeout_ms": 30000})
+    r = resp["responses"][0]
+    if r["error_code"]:
+        raise KafkaError(r["error_code"], r.get("error_message") or f"topic {args.topic}")
+    print(f"deleted {args.topic}")
+
+
 # ------------------------------------------------------------------ groups
 async def groups_ls(c: KafkaClient, args: argparse.Namespace) -> None:
     resp = await c.request(schemas.LIST_GROUPS.key, {})
@@ -155,9 +178,14 @@ def add_parsers(sub: Any, run: Any) -> None:
         p.set_defaults(func=run(fn))
         return p
 
-    tsub = sub.add_parser("topics", help="list, describe and alter topics through a broker").add_subparsers(
-        dest="action", required=True)
+    tsub = sub.add_parser("topics", help="list, create, describe, alter and delete topics through a broker"
+                          ).add_subparsers(dest="action", required=True)
     leaf(tsub, "ls", topics_ls)
+    create = leaf(tsub, "create", topics_create)
+    create.add_argument("topic")
+    create.add_argument("--partitions", type=int, default=1, help="partitions (default 1)")
+    create.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
+    leaf(tsub, "delete", topics_delete).add_argument("topic")
     leaf(tsub, "describe", topics_describe).add_argument("topic")
     a = leaf(tsub, "alter", topics_alter)
     a.add_argument("topic")

@@ -1,6 +1,7 @@
 """`kafscale dev`: the first README command, with Ctrl-C and --data-dir."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -14,9 +15,11 @@ from kafscale.devstack import free_port
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 
 
-def start_dev(data_dir, port: int, etcd_port: int, s3_port: int, log) -> subprocess.Popen:
+def start_dev(data_dir, port: int, etcd_port: int, s3_port: int, log, admin_port: int | None = None
+              ) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", "dev", "--data-dir", str(data_dir),
-                             "--port", str(port), "--etcd-port", str(etcd_port), "--s3-port", str(s3_port)],
+                             "--port", str(port), "--etcd-port", str(etcd_port), "--s3-port", str(s3_port),
+                             "--admin-listen", f"127.0.0.1:{admin_port or free_port()}"],
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -83,3 +86,42 @@ def test_the_dev_s3_refuses_anonymous_requests(stack):
         with pytest.raises(ClientError, match="AccessDenied"):
             call()
     stack.s3_client().head_object(Bucket=stack.bucket, Key="_kafscale/ready")  # the keys still work
+
+
+def kafscale_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kafscale.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_dev_is_ready_for_a_first_try(tmp_path):
+    """kafscale dev auto-creates topics, serves the console and says where;
+    `kafscale topics create/delete` work and bad input gets one line and a
+    non-zero exit, not a traceback."""
+    import urllib.request
+
+    ports = (free_port(), free_port(), free_port())
+    admin = free_port()
+    bootstrap = f"127.0.0.1:{ports[0]}"
+    with open(tmp_path / "dev.log", "ab") as log:
+        proc = start_dev(tmp_path / "data", *ports, log, admin_port=admin)
+    try:
+        assert f"console=http://127.0.0.1:{admin}/" in (tmp_path / "dev.log").read_text()
+        assert confluent_produce(bootstrap, "never-created", [Rec(b"k", b"v")]) == [0]  # auto-created
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/api/overview", timeout=10) as r:
+            assert "never-created" in {t["name"] for t in json.loads(r.read())["topics"]}
+        r = kafscale_cli("topics", "create", "orders", "--partitions", "3", "--config", "retention.ms=60000",
+                         "--bootstrap", bootstrap)
+        assert r.returncode == 0 and "created orders with 3 partitions" in r.stdout, r.stderr
+        r = kafscale_cli("topics", "describe", "orders", "--bootstrap", bootstrap)
+        assert "Partitions: 3" in r.stdout and "retention.ms=60000" in r.stdout, r.stderr
+        for args, message in ((["create", "orders"], "TOPIC_ALREADY_EXISTS"),
+                              (["create", "bad", "--config", "no.such.key=1"], "INVALID_CONFIG"),
+                              (["create", "zero", "--partitions", "0"], "must be 1 or more"),
+                              (["delete", "missing"], "UNKNOWN_TOPIC_OR_PARTITION")):
+            r = kafscale_cli("topics", *args, "--bootstrap", bootstrap)
+            assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        r = kafscale_cli("topics", "delete", "orders", "--bootstrap", bootstrap)
+        assert r.returncode == 0 and "deleted orders" in r.stdout, r.stderr
+        r = kafscale_cli("topics", "ls", "--bootstrap", f"127.0.0.1:{free_port()}")
+        assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    finally:
+        assert ctrl_c(proc) == 0
