@@ -167,9 +167,8 @@ class Broker:
                 async for name, meta in self.meta.watch_topics():
                     if meta is not None:
                         await self.apply_topic_meta(meta)
-                    elif self.topics.pop(name) is not None:
-                        for key in [k for k in self.logs if k[0] == name]:
-                            await self.logs.pop(key).close(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
+                    else:
+                        await self.forget_topic(name)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -519,11 +518,15 @@ class Broker:
             await self.drop_topic(meta.name)
         return {"throttle_time_ms": 0, "responses": out}
 
-    async def drop_topic(self, name: str) -> None:
-        """Delete a topic's etcd keys and then its objects."""
+    async def forget_topic(self, name: str) -> None:
+        """Close a deleted topic's open logs and drop it from the cache."""
         for key in [k for k in self.logs if k[0] == name]:
             await self.logs.pop(key).close(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
         self.topics.pop(name)
+
+    async def drop_topic(self, name: str) -> None:
+        """Delete a topic's etcd keys and then its objects."""
+        await self.forget_topic(name)
         await self.meta.delete_topic(name)
         prefix = f"{self.cfg.namespace}/{name}/"
         self.cache.drop_prefix(prefix)
