@@ -1,5 +1,5 @@
-"""`kafscale` command line: broker, proxy, console, dev, segments, topics, groups, replay, processor, users,
-acls."""
+"""`kafscale` command line: broker, proxy, console, dev, segments, topics, groups, produce, consume, replay,
+processor, users, acls."""
 from __future__ import annotations
 
 import argparse
@@ -184,13 +184,15 @@ def cmd_segments(args: argparse.Namespace) -> int:
 
 
 def _kafka_command(fn: Any) -> Any:
-    """Wrap an async tool taking (client, args) as a sub-command function."""
-    from kafscale.client import KafkaClient
+    """Wrap an async tool taking (cluster, args) as a sub-command function."""
+    from kafscale.client import Cluster, Credentials
     from kafscale.protocol.errors import KafkaError
 
     async def go(args: argparse.Namespace) -> None:
-        async with KafkaClient(args.bootstrap) as client:
-            await fn(client, args)
+        password = args.password if args.password is not None else os.environ.get("KAFSCALE_PASSWORD", "")
+        credentials = Credentials(args.user, password) if args.user else None
+        async with Cluster(args.bootstrap, f"kafscale-{args.command}", credentials) as cluster:
+            await fn(cluster, args)
 
     def command(args: argparse.Namespace) -> int:
         try:
@@ -198,6 +200,8 @@ def _kafka_command(fn: Any) -> Any:
         except (KafkaError, OSError) as exc:
             print(f"kafscale {args.command}: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            return 130
         return 0
 
     return command

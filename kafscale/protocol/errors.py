@@ -58,6 +58,18 @@ class ErrorCode(IntEnum):
     INVALID_RECORD = 87
     TRANSACTIONAL_ID_AUTHORIZATION_FAILED = 53
 
+    @property
+    def retriable(self) -> bool:
+        """Kafka's RetriableException codes: the same request may succeed later."""
+        return self in _RETRIABLE
+
+
+_RETRIABLE = frozenset({
+    ErrorCode.CORRUPT_MESSAGE, ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, ErrorCode.LEADER_NOT_AVAILABLE,
+    ErrorCode.NOT_LEADER_OR_FOLLOWER, ErrorCode.REQUEST_TIMED_OUT, ErrorCode.COORDINATOR_LOAD_IN_PROGRESS,
+    ErrorCode.COORDINATOR_NOT_AVAILABLE, ErrorCode.NOT_COORDINATOR, ErrorCode.NOT_ENOUGH_REPLICAS,
+    ErrorCode.KAFKA_STORAGE_ERROR, ErrorCode.UNKNOWN_LEADER_EPOCH, ErrorCode.UNKNOWN_TOPIC_ID})
+
 
 # Transactions are a non-goal: they are refused with an error every client
 # treats as fatal (TRANSACTIONAL_ID_AUTHORIZATION_FAILED, where the API has one),

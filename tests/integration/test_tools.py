@@ -1,17 +1,62 @@
-"""`kafscale topics` and `kafscale groups` against a running broker."""
+"""`kafscale topics`, `kafscale groups`, `kafscale produce` and `kafscale
+consume` against a running broker, checked with librdkafka and kafka-python."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
+from confluent_kafka import Consumer, TopicPartition
+from kafka.partitioner.default import murmur2
+
 from tests.integration.clients import create_topic
 from tests.integration.test_groups import PARTITIONS, Member, produce_spread, wait_for
 
 
-def cli(*args: str, ok: bool = True) -> str:
-    r = subprocess.run([sys.executable, "-m", "kafscale.cli", *args], capture_output=True, text=True, timeout=60)
+def cli(*args: str, ok: bool = True, stdin: str | None = None) -> str:
+    r = subprocess.run([sys.executable, "-m", "kafscale.cli", *args], capture_output=True, text=True, timeout=60,
+                       input=stdin)
     assert (r.returncode == 0) == ok, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
     return r.stdout + r.stderr
+
+
+def test_produce_and_consume_commands(broker, topic_name):
+    """Lines in, records out: keys land where Kafka's Java partitioner puts
+    them (kafka-python's murmur2), a line without the separator is reported
+    by number and fails the command, a group consumer resumes where the last
+    one committed, and librdkafka sees the commits."""
+    create_topic(broker.bootstrap, topic_name, partitions=4)
+    lines = [f"key-{i}:value-{i}" for i in range(200)]
+    out = cli("produce", topic_name, "--key-separator", ":", "--bootstrap", broker.bootstrap, ok=False,
+              stdin="\n".join([*lines[:100], "no separator here", *lines[100:]]) + "\n")
+    assert "line 101 not written: no key separator ':'" in out and "200 records written" in out and "1 failed" in out
+    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": f"{topic_name}-c", "enable.auto.commit": False})
+    c.assign([TopicPartition(topic_name, p, 0) for p in range(4)])
+    seen = {}
+    while len(seen) < 200:
+        m = c.poll(10)
+        assert m is not None and not m.error(), m and m.error()
+        seen[m.key()] = (m.partition(), m.value())
+    assert all(p == (murmur2(k) & 0x7FFFFFFF) % 4 and v == k.replace(b"key", b"value") for k, (p, v) in seen.items())
+
+    group, args = f"{topic_name}-g", ("--bootstrap", broker.bootstrap)
+    first = cli("consume", topic_name, "--group", group, "--from-beginning", "-n", "50", "--print-key", *args)
+    rest = cli("consume", topic_name, "--group", group, "-e", "--print-key", *args)
+    got = [line.split("\t") for text in (first, rest) for line in text.splitlines() if "\t" in line]
+    assert sorted(got) == sorted([f"key-{i}", f"value-{i}"] for i in range(200)), "each record once, none lost"
+    assert "Processed a total of 50 messages" in first and "Processed a total of 150 messages" in rest
+    reader = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group})
+    committed = reader.committed([TopicPartition(topic_name, p) for p in range(4)], timeout=10)
+    reader.close()
+    c.close()
+    assert sum(tp.offset for tp in committed) == 200
+    one = cli("consume", topic_name, "--partition", "2", "--offset", "3", "-e", *args)
+    assert one.count("value-") == sum(1 for p, _ in seen.values() if p == 2) - 3
+    for cmd, why in ((["produce", "no topic!"], "INVALID_TOPIC_EXCEPTION"),
+                     (["consume", topic_name, "--partition", "9", "-e"], "has no partition 9"),
+                     (["consume", topic_name, "--from", "noon"], "neither ISO 8601")):
+        err = cli(*cmd, *args, ok=False, stdin="x\n")
+        assert why in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_topics_tools(broker, topic_name):
