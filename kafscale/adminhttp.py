@@ -102,7 +102,7 @@ class AdminServer:
         if self.console is not None:
             from kafscale.console.api import add_routes
 
-            add_routes(app, *self.console, self.health)
+            add_routes(app, *self.console, self.health, as_user=auth is not None and auth.required)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()

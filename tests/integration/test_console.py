@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from confluent_kafka import Consumer, TopicPartition
 from kafscale.devstack import free_port
 from tests.conftest import BrokerProcess
 from tests.integration.clients import Rec, confluent_produce, create_topic
+from tests.integration.test_groups import Member, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
@@ -101,6 +103,58 @@ def test_console_renders_the_cluster_in_chromium(console_broker, topic_name, tmp
     assert len(colors) > 20, "text, tables and the chart make a varied picture, not a blank page"
     assert post_topic(admin, f"{topic_name}-new", None) == 403, "no console credentials: read-only"
     assert 'id="create" hidden' in dom, "and the page offers no create form"
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_console_record_browser_and_group_page_in_chromium(console_broker, topic_name, tmp_path):
+    """The topic page reads records over Kafka (text, JSON, headers, paging by
+    offset and time); the group page shows the live members of a group that a
+    librdkafka consumer and `kafscale consume` share, with their assignment
+    and lag."""
+    b, admin = console_broker
+    ts = int(time.time() * 1000)
+    confluent_produce(b.bootstrap, topic_name, [Rec(b"user-1", b'{"id": 1, "name": "ada"}', (("trace", b"t-1"),)),
+                                                Rec(None, b"\x00\xffbinary")], timestamps=[ts, ts + 60_000])
+    page = get_json(f"http://{admin}/api/topics/{topic_name}/records?partition=0&offset=0")
+    assert [r["offset"] for r in page["records"]] == [0, 1] and page["high_watermark"] == 2
+    assert base64.b64decode(page["records"][0]["value"]) == b'{"id": 1, "name": "ada"}'
+    assert page["records"][0]["headers"] == [["trace", base64.b64encode(b"t-1").decode()]]
+    later = get_json(f"http://{admin}/api/topics/{topic_name}/records?partition=0&time={ts + 1}")
+    assert [r["offset"] for r in later["records"]] == [1], "from a time: the first record at or after it"
+    paged = get_json(f"http://{admin}/api/topics/{topic_name}/records?partition=1&offset=10&limit=5")
+    assert [r["offset"] for r in paged["records"]] == [10, 11, 12, 13, 14] and paged["next_offset"] == 15
+    group = f"console-{topic_name}"
+    member = Member("confluent", b.bootstrap, group, topic_name, tmp_path / "m.txt")
+    cli = subprocess.Popen([sys.executable, "-m", "kafscale.cli", "consume", topic_name, "--group", group,
+                            "--bootstrap", b.bootstrap], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        def settled() -> bool:
+            g = get_json(f"http://{admin}/api/groups/{group}")
+            return g["state"] == "Stable" and len(g["members"]) == 2 and all(m["assignment"] for m in g["members"])
+
+        wait_for(settled, 60, "both members to be assigned a partition")
+        dom = chromium("--dump-dom", f"http://{admin}/#group/{group}", profile=tmp_path / "p1").stdout.decode()
+        assert "state Stable" in dom and "2 members" in dom
+        assert "kafscale-consume" in dom and "rdkafka" in dom, "both clients' ids"
+        assert f"{topic_name}: 0" in dom and f"{topic_name}: 1" in dom, "each member's assignment"
+    finally:
+        cli.send_signal(signal.SIGINT)
+        assert cli.wait(30) == 0, cli.stderr.read() if cli.stderr else ""
+        member.stop()
+    dom = chromium("--dump-dom", f"http://{admin}/#topic/{topic_name}", profile=tmp_path / "p2").stdout.decode()
+    assert "user-1" in dom and '{"id": 1, "name": "ada"}' in dom and "trace=t-1" in dom, "the newest records, as text"
+    assert "offsets 0 to 1" in dom
+    shot = tmp_path / "records.png"
+    chromium(f"--screenshot={shot}", "--window-size=1280,700", f"http://{admin}/#topic/{topic_name}",
+             profile=tmp_path / "p3")
+    width, height, rows = png_pixels(shot)
+    bpp = len(rows[0]) // width
+    colors = {tuple(rows[y][x * bpp:x * bpp + 3]) for y in range(0, height, 9) for x in range(0, width, 5)}
+    assert (width, height) == (1280, 700) and len(colors) > 20, "a drawn page with text, not a blank one"
 
 
 def post_topic(admin: str, name: str, auth: str | None) -> int:

@@ -6,6 +6,7 @@ Kafka error codes of SASL misuse, and ACLs set through Kafka's ACL APIs and
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -96,6 +97,15 @@ def test_every_mechanism_with_every_client(sasl_broker, topic_name):
     kcat("-P", "-t", topic, *kcat_sasl(b, "alice", "SCRAM-SHA-512"), input=b"from-kcat\n")
     out = kcat("-C", "-t", topic, "-o", "40", "-e", "-q", *kcat_sasl(b, "alice", "SCRAM-SHA-256"))
     assert out == b"from-kcat\n"
+    # kafscale produce / consume sign in with SCRAM (the password from the environment)
+    cmd = lambda *a, pw="alice-secret": subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "kafscale.cli", *a, "--bootstrap", b.bootstrap, "--user", "alice"], input="mine\n",
+        env={**os.environ, "KAFSCALE_PASSWORD": pw}, capture_output=True, text=True, timeout=60)
+    assert cmd("produce", topic).returncode == 0
+    got = cmd("consume", topic, "--partition", "0", "--offset", "41", "-e")
+    assert got.stdout == "mine\n", got.stderr
+    refused = cmd("consume", topic, "-e", pw="guess")
+    assert refused.returncode == 1 and refused.stderr.strip().startswith("kafscale consume: SASL_AUTHENTICATION_FAILED")
 
 
 def test_bad_credentials_and_removed_users_are_refused(sasl_broker, topic_name):
@@ -317,6 +327,9 @@ def test_admin_endpoint_needs_a_kafka_user_when_the_listener_does(make_broker):
         assert status(path, "mallory") == 401, path
         assert status(path, "alice") == 403, path
         assert status(path, "admin") == 200, path
+    # records and groups are read over Kafka as the signed-in user (SASL PLAIN here)
+    assert status("/api/topics/no-such-topic/records", "admin") == 404
+    assert status("/api/groups/no-such-group", "admin") == 200
     form = {"Content-Type": "text/plain"}
     assert status("/api/topics", "admin", "POST", b'{"name": "x"}', form) == 415
     foreign = {"Content-Type": "application/json", "Origin": "http://evil.example"}
