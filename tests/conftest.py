@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# Before kafscale is imported, here and in every broker the tests start: the
+# codec refuses unknown keys and dropped error codes instead of losing them.
+os.environ["KAFSCALE_STRICT_CODEC"] = "1"
+
 from kafscale.devstack import DevStack, free_port
 
 

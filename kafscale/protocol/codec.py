@@ -17,9 +17,17 @@ plain dicts with snake_case keys (every field of the schema is present, with
 its default where this version lacks it, so handlers need not care about
 versions) and encode walks the same steps, taking values from dicts and
 falling back to each field's default. Records are
-passed through as buffers (a list of buffers is written without joining)."""
+passed through as buffers (a list of buffers is written without joining).
+
+With KAFSCALE_STRICT_CODEC=1 in the environment (the test suite sets it, for
+brokers too) encoding refuses what would otherwise be silently lost: a key
+the schema does not know (a typo such as `eror_code`), and an error code set
+in a version that has no field for it. Fields the version lacks are otherwise
+dropped by design: handlers build every response against the newest schema.
+Each Message checks its schema's invariants when it is created."""
 from __future__ import annotations
 
+import os
 import struct
 import uuid
 from dataclasses import dataclass, field
@@ -41,10 +49,15 @@ NULL_UUID = b"\x00" * 16
 
 
 NO_DEFAULT: Any = object()  # a field without `default=` in the schema
+STRICT = os.environ.get("KAFSCALE_STRICT_CODEC") == "1"
 
 
 class DecodeError(ValueError):
     """The bytes do not match the schema (truncated, bad length, bad UTF-8)."""
+
+
+class EncodeError(ValueError):
+    """Strict mode: a value the encoding would silently drop (see the module docstring)."""
 
 
 @dataclass
@@ -231,6 +244,7 @@ class _StructCodec:
         self.flexible = flexible
         self.fields = [f for f in fields if f.present(version) and (f.tag is None or flexible)]
         self.absent = [f for f in fields if f not in self.fields]  # decoded as their defaults
+        self.names = {f.name for f in fields}
         self.regular = [f for f in self.fields if f.tag is None]
         self.tagged = sorted((f for f in self.fields if f.tag is not None), key=lambda f: f.tag or 0)
         self.children = {f.name: _StructCodec(f.fields, version, flexible)
@@ -308,7 +322,17 @@ class _StructCodec:
         return None
 
     # -- encode
+    def _check(self, obj: dict[str, Any]) -> None:
+        unknown = obj.keys() - self.names
+        if unknown:
+            raise EncodeError(f"unknown field(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(self.names))})")
+        for f in self.absent:
+            if f.name == "error_code" and obj.get(f.name, 0):
+                raise EncodeError(f"error_code {obj[f.name]} set, but version {self.version} has no error_code here")
+
     def encode(self, w: Writer, obj: dict[str, Any]) -> None:
+        if STRICT:
+            self._check(obj)
         for f in self.regular:
             self._write(w, f, obj.get(f.name, _MISSING))
         if self.flexible:
@@ -387,12 +411,41 @@ _MISSING = object()
 _EMPTY: dict[str, Any] = {"string": "", "bytes": b"", "records": b"", "array": []}
 
 
+def check_schema(fields: list[Field], flexible_min: int, where: str = "") -> None:
+    """The notation's invariants: unique names and tags per level, nullability
+    and tags only within a field's versions, tags only in flexible versions."""
+    names: set[str] = set()
+    tags: set[int] = set()
+    for f in fields:
+        at = f"{where}{f.name}"
+        if f.name in names:
+            raise ValueError(f"schema: {at} is defined twice")
+        names.add(f.name)
+        if f.vmin > f.vmax:
+            raise ValueError(f"schema: {at} has versions {f.vmin}-{f.vmax}")
+        if f.null_min is not None and not f.vmin <= f.null_min <= f.vmax:
+            raise ValueError(f"schema: {at} is nullable from v{f.null_min}, outside its versions")
+        if f.tag is not None:
+            if f.tag in tags:
+                raise ValueError(f"schema: tag {f.tag} of {at} is used twice")
+            tags.add(f.tag)
+            if f.vmax < flexible_min:
+                raise ValueError(f"schema: tagged field {at} exists only in non-flexible versions")
+        if f.type in ("array", "struct") and f.item is None:
+            if not f.fields:
+                raise ValueError(f"schema: {at} has no fields")
+            check_schema(f.fields, flexible_min, f"{at}.")
+
+
 @dataclass
 class Message:
     """A request or response body schema with its valid and flexible versions."""
 
     fields: list[Field]
     flexible_min: int
+
+    def __post_init__(self) -> None:
+        check_schema(self.fields, self.flexible_min)
 
     @cache  # noqa: B019 - a handful of Message objects live for the process
     def codec(self, version: int) -> _StructCodec:

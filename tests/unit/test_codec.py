@@ -146,3 +146,28 @@ def test_negative_length_on_a_non_nullable_field_is_malformed():
         CREATE_TOPICS.request.decode(memoryview(body), 4)
     md, _ = METADATA.request.decode(memoryview(struct.pack(">i", -1) + b"\x01" + b"\x00\x00"), 8)
     assert md["topics"] is None
+
+
+def test_strict_encoding_refuses_what_would_be_lost():
+    """The suite runs with KAFSCALE_STRICT_CODEC=1: a typo'd key or an error
+    code the version cannot carry fails loudly instead of going out as 0."""
+    from kafscale.protocol import codec
+    from kafscale.protocol.schemas import HEARTBEAT
+
+    assert codec.STRICT, "conftest turns strict encoding on"
+    with pytest.raises(codec.EncodeError, match="eror_code"):
+        HEARTBEAT.response.encode({"eror_code": 27}, 4)
+    with pytest.raises(codec.EncodeError, match="version 6 has no error_code"):
+        FETCH.response.encode({"error_code": 1, "responses": []}, 6)
+    FETCH.response.encode({"error_code": 0, "throttle_time_ms": 0, "responses": []}, 6)  # default: fine
+
+
+@pytest.mark.parametrize("schema, why", [
+    ("a: int8\na: int16", "defined twice"),
+    ("a: string 3-5 ?2", "outside its versions"),
+    ("a: int8 0-3 tag=0", "non-flexible"),
+    ("a: [ 1+\n]", "no fields"),
+])
+def test_schema_invariants_are_checked_at_load(schema, why):
+    with pytest.raises(ValueError, match=why):
+        Message(parse_schema(schema), 4)
