@@ -1,7 +1,9 @@
-"""aetcd's client over TLS. aetcd opens plaintext gRPC channels only; this
-subclass opens a TLS channel (etcd's --cert-file/--key-file, optionally client
-certificates) and then sets up exactly what aetcd.Client.connect sets up: the
-authentication token, the service stubs and the watcher."""
+"""aetcd's client with what MetaStore needs beyond it: `range_page` (aetcd's
+range call has no limit) and, in TlsEtcdClient, TLS. aetcd opens plaintext
+gRPC channels only; the subclass opens a TLS channel (etcd's
+--cert-file/--key-file, optionally client certificates) and then sets up
+exactly what aetcd.Client.connect sets up: the authentication token, the
+service stubs and the watcher."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +14,22 @@ import grpc
 from aetcd import rpc, watcher
 
 
-class TlsEtcdClient(aetcd.Client):
+class EtcdClient(aetcd.Client):
+    async def range_page(self, start: bytes, end: bytes, limit: int, revision: int,
+                         keys_only: bool) -> tuple[list[Any], bool, int]:
+        """Up to limit key-values in [start, end) at revision (0: the newest):
+        (key-values with .key and .value, whether more follow, the revision read)."""
+        req = self._build_get_range_request(start, end, keys_only=keys_only)
+        req.limit, req.revision = limit, revision
+        try:
+            resp = await self.kvstub.Range(req, timeout=self._timeout, metadata=self.metadata)
+        except rpc.AioRpcError as exc:
+            aetcd.exceptions._handle_exception(exc)  # raises the matching aetcd exception
+            raise
+        return list(resp.kvs), resp.more, resp.header.revision
+
+
+class TlsEtcdClient(EtcdClient):
     def __init__(self, *args: Any, credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._channel_credentials = credentials

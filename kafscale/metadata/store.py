@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aetcd
-from aetcd import rpc as aetcd_rpc
 from aetcd.utils import prefix_range_end
 
+from kafscale.metadata.etcd_client import EtcdClient
 from kafscale.security.acl import AclBinding
 
 
@@ -143,6 +143,7 @@ def name_of(part: bytes | str) -> str:
     return text.replace("%2F", "/").replace("%25", "%")
 
 
+TXN_MAX_OPS = 128  # etcd's default --max-txn-ops
 SCAN_PAGE = 1000  # keys per etcd range read in MetaStore.scan
 CAS_ATTEMPTS = 50  # a compare-and-swap that keeps losing to other writers gives up after this many tries
 
@@ -186,9 +187,18 @@ class MetaStore:
         return cls(cfg.etcd, cfg.cluster, cfg.etcd_user or None, cfg.etcd_password or None,
                    (cfg.etcd_ca, cfg.etcd_cert, cfg.etcd_key) if cfg.etcd_ca else None)
 
+    @classmethod
+    def in_memory(cls, cluster: str = "test", etcd: Any = None) -> MetaStore:
+        """A store over an in-memory etcd twin (unit tests; see metadata/memory.py)."""
+        from kafscale.metadata.memory import MemoryEtcd
+
+        store = cls("memory:0", cluster)
+        store.client = etcd or MemoryEtcd()
+        return store
+
     def _client(self, host: str, port: int) -> Any:
         if self.tls is None:
-            return aetcd.Client(host=host, port=port, timeout=10, **self.credentials)
+            return EtcdClient(host=host, port=port, timeout=10, **self.credentials)
         from kafscale.metadata.etcd_client import TlsEtcdClient, tls_credentials
 
         return TlsEtcdClient(host=host, port=port, timeout=10, credentials=tls_credentials(*self.tls),
@@ -196,6 +206,8 @@ class MetaStore:
 
     async def start(self) -> None:
         """Connect to the first endpoint that answers (fail fast if none does)."""
+        if self.client is not None:  # in_memory
+            return
         error: Exception | None = None
         for host, port in self.endpoints:
             client = self._client(host, port)
@@ -222,23 +234,15 @@ class MetaStore:
     async def scan(self, prefix: bytes, keys_only: bool = False) -> AsyncIterator[Any]:
         """Every key-value under prefix, read in pages of SCAN_PAGE keys at one
         revision: a range that grows (a partition's segment manifests, all the
-        offsets) never needs one reply larger than etcd's 4 MiB gRPC limit.
-        aetcd's range call has no limit, so the request is built here."""
+        offsets) never needs one reply larger than etcd's 4 MiB gRPC limit."""
         start, end, revision = prefix, prefix_range_end(prefix), 0
         while True:
-            req = self.client._build_get_range_request(start, end, keys_only=keys_only)
-            req.limit, req.revision = SCAN_PAGE, revision
-            try:
-                resp = await self.client.kvstub.Range(req, timeout=self.client._timeout,
-                                                      metadata=self.client.metadata)
-            except aetcd_rpc.AioRpcError as exc:
-                aetcd.exceptions._handle_exception(exc)  # raises the matching aetcd exception
-                raise
-            for kv in resp.kvs:
+            kvs, more, revision = await self.client.range_page(start, end, SCAN_PAGE, revision, keys_only)
+            for kv in kvs:
                 yield kv
-            if not resp.more or not resp.kvs:
+            if not more or not kvs:
                 return
-            start, revision = resp.kvs[-1].key + b"\0", resp.header.revision
+            start = kvs[-1].key + b"\0"
 
     def k(self, *parts: object) -> bytes:
         """The key of parts under this cluster's prefix, each part escaped
@@ -402,11 +406,18 @@ class MetaStore:
         return out
 
     # ---------------------------------------------------------------- offsets
+    async def _write_all(self, ops: list[Any]) -> None:
+        """Unconditional writes, one transaction per TXN_MAX_OPS operations
+        (etcd refuses larger ones): all-or-nothing within each."""
+        for i in range(0, len(ops), TXN_MAX_OPS):
+            await self.client.transaction(compare=[], success=ops[i:i + TXN_MAX_OPS], failure=[])
+
     async def commit_offsets(self, group: str, offsets: dict[tuple[str, int], dict[str, Any]]) -> None:
-        """Write a group's committed offsets for several partitions atomically."""
+        """Write a group's committed offsets: atomically up to TXN_MAX_OPS
+        partitions (a commit of more is written in that many per transaction)."""
         tx = self.client.transactions
-        ops = [tx.put(self.k("offsets", group, t, p), json.dumps(v).encode()) for (t, p), v in offsets.items()]
-        await self.client.transaction(compare=[], success=ops, failure=[])
+        await self._write_all([tx.put(self.k("offsets", group, t, p), json.dumps(v).encode())
+                               for (t, p), v in offsets.items()])
 
     async def fetch_offsets(self, group: str) -> dict[tuple[str, int], dict[str, Any]]:
         base = self.k("offsets", group, "")
@@ -425,9 +436,8 @@ class MetaStore:
     async def save_checkpoint(self, processor: str, topic: str, offsets: dict[int, int]) -> None:
         """A processor's next offset per partition of topic, in one transaction."""
         tx = self.client.transactions
-        await self.client.transaction(compare=[], success=[
-            tx.put(self.k("processors", processor, topic, p), str(o).encode()) for p, o in offsets.items()],
-            failure=[])
+        await self._write_all([tx.put(self.k("processors", processor, topic, p), str(o).encode())
+                               for p, o in offsets.items()])
 
     async def load_checkpoint(self, processor: str, topic: str) -> dict[int, int]:
         prefix = self.k("processors", processor, topic, "")
@@ -509,13 +519,11 @@ class MetaStore:
 
     async def put_acls(self, acls: list[AclBinding]) -> None:
         tx = self.client.transactions
-        await self.client.transaction(compare=[], success=[tx.put(self.k("acls", a.id), a.to_json()) for a in acls],
-                                      failure=[])
+        await self._write_all([tx.put(self.k("acls", a.id), a.to_json()) for a in acls])
 
     async def delete_acls(self, acls: list[AclBinding]) -> None:
         tx = self.client.transactions
-        await self.client.transaction(compare=[], success=[tx.delete(self.k("acls", a.id)) for a in acls],
-                                      failure=[])
+        await self._write_all([tx.delete(self.k("acls", a.id)) for a in acls])
 
     async def list_acls(self) -> list[AclBinding]:
         return sorted([AclBinding.from_json(kv.value) async for kv in self.scan(self.k("acls", ""))])

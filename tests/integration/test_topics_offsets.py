@@ -253,6 +253,12 @@ def test_topics_of_ten_thousand_partitions(broker, topic_name, stack):
     for p in (0, 9_999):
         assert confluent_produce(broker.bootstrap, topic_name, [Rec(None, b"p%d" % p)], partition=p) == [0]
     assert len(etcd_keys(stack, f"/kafscale/{broker.cluster}/partitions/{topic_name}/")) == 2  # only those used
+    # one OffsetCommit of 1,000 partitions (etcd takes at most 128 operations per transaction)
+    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": f"{topic_name}-wide"})
+    c.commit(offsets=[TopicPartition(topic_name, p, p) for p in range(1_000)], asynchronous=False)
+    assert [tp.offset for tp in c.committed([TopicPartition(topic_name, p) for p in range(1_000)], 30)] == list(
+        range(1_000))
+    c.close()
     admin.delete_topics([topic_name])[topic_name].result(60)
     assert etcd_keys(stack, f"/kafscale/{broker.cluster}/partitions/{topic_name}/") == []
     assert topic_name not in admin.list_topics(timeout=10).topics

@@ -1,0 +1,77 @@
+"""The in-memory etcd twin the unit tests use honours MetaStore's contract as
+the real etcd does: the same calls, run against both, give the same answers
+(fenced compares, first-claim creation, paging past one reply, lease expiry,
+watches)."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from kafscale.metadata.memory import MemoryEtcd
+from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest, TopicExists
+
+
+async def contract(meta: MetaStore, expire) -> None:
+    topic = "orders"
+    changes = meta.watch_topics()
+    watched = asyncio.ensure_future(changes.__anext__())
+    await asyncio.sleep(0.3)  # the watch is registered
+    await meta.create_topic(topic, 2, {})
+    assert (await asyncio.wait_for(watched, 10))[0] == topic
+    with pytest.raises(TopicExists):
+        await meta.create_topic(topic, 2, {})
+    assert await meta.get_partition(topic, 0) is None, "no key until the first claim"
+    s1, raw1 = await meta.claim_partition(topic, 0, 1)
+    s2, raw2 = await meta.claim_partition(topic, 0, 2)
+    assert (s1.epoch, s2.epoch, s2.owner) == (1, 2, 2)
+    m = SegmentManifest(0, 9, 10, 100, 1, 2, "k", 0)
+    with pytest.raises(Fenced):  # the first owner's view is stale
+        await meta.commit_segment(topic, 0, raw1, PartitionState(1, 1, 10, 0), m)
+    raw = await meta.commit_segment(topic, 0, raw2, PartitionState(2, 2, 10, 0), m)
+    assert (await meta.get_partition(topic, 0)) == (PartitionState(2, 2, 10, 0), raw)
+    assert [x.last for x in await meta.list_segments(topic, 0)] == [9]
+    await meta.commit_offsets("g", {(topic, p): {"offset": p} for p in range(1500)})
+    assert len(await meta.fetch_offsets("g")) == 1500, "a scan pages past one reply"
+    lease = await meta.register_broker(7, "h", 1, ttl=5)
+    assert await meta.claim_owner(topic, 1, 7, lease) and not await meta.claim_owner(topic, 1, 8, lease)
+    assert (await meta.owners())[(topic, 1)] == 7
+    await expire(lease)
+    assert (topic, 1) not in await meta.owners() and 7 not in [b for b, _, _ in await meta.list_brokers()]
+    await meta.delete_topic(topic)
+    assert await meta.get_topic(topic) is None
+    with pytest.raises(KeyError):
+        await meta.claim_partition(topic, 0, 3)
+    watched_delete = await asyncio.wait_for(changes.__anext__(), 10)
+    while watched_delete[1] is not None:
+        watched_delete = await asyncio.wait_for(changes.__anext__(), 10)
+    assert watched_delete[0] == topic
+
+
+def test_memory_twin_honours_the_contract():
+    async def go():
+        etcd = MemoryEtcd()
+        meta = MetaStore.in_memory("twin", etcd)
+
+        async def expire(lease):
+            etcd.expire(lease)
+
+        await contract(meta, expire)
+
+    asyncio.run(go())
+
+
+def test_real_etcd_honours_the_same_contract(stack):
+    async def go():
+        meta = MetaStore(stack.etcd_endpoint, f"twin-{uuid.uuid4().hex[:8]}")
+        await meta.start()
+        try:
+            async def expire(lease):
+                await lease.revoke()
+
+            await contract(meta, expire)
+        finally:
+            await meta.close()
+
+    asyncio.run(go())

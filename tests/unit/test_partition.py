@@ -1,0 +1,206 @@
+"""The durability path of one partition (storage/partition.py) on the
+in-memory twins of S3 and etcd: acknowledged only once in S3 and committed,
+S3 and etcd failures retried without loss, a fenced owner acknowledging
+nothing more, a lost commit reply not committing twice, idempotent producer
+retries deduplicated across owners, orphans swept, retention moving the log
+start before deleting objects."""
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+
+from kafscale import _native
+from kafscale.config import Config
+from kafscale.metadata.memory import MemoryEtcd
+from kafscale.metadata.store import MetaStore
+from kafscale.protocol.errors import ErrorCode
+from kafscale.storage.memory import MemoryObjectStore
+from kafscale.storage.partition import PartitionLog
+from kafscale.storage.reader import LogError, ReadBudget
+
+TOPIC = "orders"
+
+
+class DictCache:
+    def __init__(self) -> None:
+        self.segments: dict[str, object] = {}
+
+    def get(self, key):
+        return self.segments.get(key)
+
+    def holds(self, key):
+        return key in self.segments
+
+    def put(self, key, seg):
+        self.segments[key] = seg
+
+    def drop_prefix(self, prefix):
+        self.segments = {k: v for k, v in self.segments.items() if not k.startswith(prefix)}
+
+
+def batch(*values: bytes, ts: int = 1_700_000_000_000, producer: tuple[int, int, int] | None = None) -> memoryview:
+    """A RecordBatch; producer (id, epoch, first sequence) makes it idempotent."""
+    data = bytearray(_native.build_batch([(ts, None, v, []) for v in values]))
+    if producer is not None:
+        struct.pack_into(">qhi", data, 43, *producer)
+        struct.pack_into(">I", data, 17, _native.crc32c(bytes(data[21:])))
+    return memoryview(bytes(data))
+
+
+class Cluster:
+    """One etcd and one bucket shared by the owners a test opens."""
+
+    def __init__(self) -> None:
+        self.etcd = MemoryEtcd()
+        self.store = MemoryObjectStore()
+        self.meta = MetaStore.in_memory("unit", self.etcd)
+        self.changes: list[object] = []
+
+    async def open(self, node_id: int = 1, **cfg: object) -> PartitionLog:
+        if await self.meta.get_topic(TOPIC) is None:
+            await self.meta.create_topic(TOPIC, 1, {})
+        config = Config(node_id=node_id, namespace="unit", linger_ms=1, **cfg)
+        lg = PartitionLog(TOPIC, 0, config, self.store, self.meta, DictCache(), ReadBudget(64 << 20),
+                          lambda _lg, m: self.changes.append(m))
+        await lg.open()
+        return lg
+
+    async def hw(self) -> int:
+        state = await self.meta.get_partition(TOPIC, 0)
+        return state[0].hw if state else 0
+
+
+def append(lg: PartitionLog, payload: memoryview) -> asyncio.Future[int]:
+    _base, fut = lg.append(payload, _native.scan_batches(payload, True), True)
+    assert fut is not None
+    return fut
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_acknowledged_only_once_in_s3_and_committed_in_etcd():
+    async def go():
+        c = Cluster()
+        lg = await c.open()
+        futs = [append(lg, batch(b"a", b"b")), append(lg, batch(b"c"))]
+        assert not any(f.done() for f in futs) and await c.hw() == 0, "nothing acknowledged before the commit"
+        assert await asyncio.gather(*futs) == [0, 2]
+        assert await c.hw() == 3 and lg.hw == 3
+        [m] = await c.meta.list_segments(TOPIC, 0)
+        assert (m.base, m.last, m.count) == (0, 2, 3)
+        assert m.key in c.store.objects and any(k.endswith(".index") for k in c.store.objects)
+        data = b"".join(bytes(b) for b in await lg.read(0, 1 << 20))
+        values = [v for b in _native.scan_batches(data, True) for *_, v, _ in _native.iter_records(b, data)]
+        assert values == [b"a", b"b", b"c"]
+        await lg.close()
+
+    run(go())
+
+
+def test_s3_and_etcd_failures_are_retried_never_dropped():
+    async def go():
+        c = Cluster()
+        lg = await c.open()
+        c.store.fail_next("put", 3)
+        assert await append(lg, batch(b"x")) == 0
+        assert c.store.requests["put"] >= 5, "three failed PUTs, then the segment and its index"
+        c.etcd.down = True
+        fut = append(lg, batch(b"y"))
+        await asyncio.sleep(0.3)
+        assert not fut.done(), "etcd down: the producer waits"
+        c.etcd.down = False
+        assert await fut == 1 and await c.hw() == 2
+        await lg.close()
+
+    run(go())
+
+
+def test_a_lost_commit_reply_does_not_commit_twice():
+    async def go():
+        c = Cluster()
+        lg = await c.open()
+        real = c.meta.commit_segment
+        lost = []
+
+        async def commit_then_lose_reply(*args):
+            raw = await real(*args)
+            if not lost:
+                lost.append(raw)
+                raise ConnectionError("reply lost")
+            return raw
+
+        c.meta.commit_segment = commit_then_lose_reply  # type: ignore[method-assign]
+        assert await append(lg, batch(b"once")) == 0
+        assert lost and await c.hw() == 1 and len(await c.meta.list_segments(TOPIC, 0)) == 1
+        assert await append(lg, batch(b"next")) == 1
+        await lg.close()
+
+    run(go())
+
+
+def test_a_fenced_owner_acknowledges_nothing_and_its_orphans_are_swept():
+    async def go():
+        c = Cluster()
+        old = await c.open(node_id=1)
+        assert await append(old, batch(b"kept")) == 0
+        c.store.fail_next("put", 1)  # the next upload takes a retry: the new owner claims meanwhile
+        fut = append(old, batch(b"lost"))
+        new = await c.open(node_id=2)
+        with pytest.raises(LogError) as err:
+            await fut
+        assert err.value.code == ErrorCode.NOT_LEADER_OR_FOLLOWER and old.closed
+        assert await c.hw() == 1, "the old owner's commit was refused"
+        await asyncio.sleep(0.2)
+        await new.close()
+        again = await c.open(node_id=3)  # its sweep removes what no manifest names
+        await asyncio.sleep(0.2)
+        named = {m.key for m in await c.meta.list_segments(TOPIC, 0)}
+        assert {k for k in c.store.objects if k.endswith(".kfs")} == named
+        assert await append(again, batch(b"after")) == 1
+        await again.close()
+
+    run(go())
+
+
+def test_idempotent_retries_get_the_original_offset_even_on_a_new_owner():
+    async def go():
+        c = Cluster()
+        lg = await c.open(node_id=1)
+        first = batch(b"p0", producer=(7, 0, 0))
+        assert await append(lg, first) == 0
+        assert await append(lg, first) == 0, "a retried batch is acknowledged with its first offset"
+        assert await append(lg, batch(b"p1", producer=(7, 0, 1))) == 1
+        with pytest.raises(LogError) as err:
+            lg.append(batch(b"gap", producer=(7, 0, 5)), _native.scan_batches(batch(b"gap", producer=(7, 0, 5))),
+                      True)
+        assert err.value.code == ErrorCode.OUT_OF_ORDER_SEQUENCE_NUMBER
+        await lg.close()
+        moved = await c.open(node_id=2)
+        assert await append(moved, first) == 0, "the new owner rebuilt the producer state from the manifests"
+        assert await c.hw() == 2
+        await moved.close()
+
+    run(go())
+
+
+def test_retention_moves_the_log_start_then_deletes_objects():
+    async def go():
+        c = Cluster()
+        lg = await c.open()
+        for i in range(3):
+            await append(lg, batch(b"old-%d" % i, ts=1_000 + i))
+        await append(lg, batch(b"new", ts=2_000_000))
+        segments = await c.meta.list_segments(TOPIC, 0)
+        assert len(segments) == 4
+        assert await lg.apply_retention(retention_ms=1_000_000, retention_bytes=-1, now_ms=2_500_000) == 3
+        state, _ = await c.meta.get_partition(TOPIC, 0)
+        assert (state.log_start, state.hw) == (3, 4)
+        assert [m.base for m in await c.meta.list_segments(TOPIC, 0)] == [3]
+        assert not any(m.key in c.store.objects for m in segments[:3]) and segments[3].key in c.store.objects
+        await lg.close()
+
+    run(go())
