@@ -143,3 +143,29 @@ class AdminServer:
             return "ok"
         except Exception as exc:
             return f"failed: {exc!r}"
+
+
+async def serve_standalone(cfg: Config) -> None:
+    """`kafscale console`: the console and /metrics /healthz /readyz with only
+    etcd and S3 (no broker), until SIGINT/SIGTERM."""
+    import signal
+
+    from kafscale.storage.objectstore import ObjectStore
+
+    meta = MetaStore.from_config(cfg)
+    await meta.start()
+    store = ObjectStore.from_config(cfg)
+    await store.start()
+    admin = AdminServer(cfg.admin_listen or "127.0.0.1:9644", {"etcd": meta.ping, "s3": store.ping},
+                        console=(meta, cfg.cluster), auth=AdminAuth(cfg, meta))
+    await admin.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await admin.close()
+        await store.close()
+        await meta.close()

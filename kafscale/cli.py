@@ -80,7 +80,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
 
 def cmd_console(args: argparse.Namespace) -> int:
-    from kafscale.console.api import serve_standalone
+    from kafscale.adminhttp import serve_standalone
 
     cfg = config_mod.load(args)
     return _serve(serve_standalone(cfg), cfg.log_level)

@@ -4,20 +4,20 @@ broker without `--authorizer` answers SECURITY_DISABLED, as Kafka does."""
 from __future__ import annotations
 
 from itertools import groupby
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kafscale.broker.access import Access
+from kafscale.metadata.store import MetaStore
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import CLUSTER, AclBinding, Operation, ResourceType, invalid_filter
 
-if TYPE_CHECKING:
-    from kafscale.broker.handlers import Broker
-
 
 class AclApi:
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, meta: MetaStore, access: Access) -> None:
+        self.meta = meta
+        self.access = access
         self.handlers = {
             schemas.DESCRIBE_ACLS.key: self.describe_acls,
             schemas.CREATE_ACLS.key: self.create_acls,
@@ -25,9 +25,9 @@ class AclApi:
         }
 
     def _refused(self, hdr: RequestHeader, op: Operation) -> tuple[ErrorCode, str] | None:
-        if not self.broker.authz.enabled:
+        if not self.access.enabled:
             return ErrorCode.SECURITY_DISABLED, "no authorizer is configured on this broker (--authorizer)"
-        if not self.broker.allowed(hdr, op, ResourceType.CLUSTER, CLUSTER):
+        if not self.access.allowed(hdr, op, ResourceType.CLUSTER, CLUSTER):
             return ErrorCode.CLUSTER_AUTHORIZATION_FAILED, f"{hdr.principal} may not {op.name} ACLs"
         return None
 
@@ -36,7 +36,7 @@ class AclApi:
             (ErrorCode.INVALID_REQUEST, bad) if (bad := invalid_filter(req)) else None)
         if refused:
             return {"throttle_time_ms": 0, "error_code": refused[0], "error_message": refused[1], "resources": []}
-        matching = [a for a in await self.broker.meta.list_acls() if a.matches_filter(req)]
+        matching = [a for a in await self.meta.list_acls() if a.matches_filter(req)]
 
         def resource(a: AclBinding) -> tuple[int, str, int]:
             return a.resource_type, a.resource_name, a.pattern_type
@@ -58,13 +58,13 @@ class AclApi:
             if not bad:
                 new.append(acl)
         if new:
-            await self.broker.meta.put_acls(new)
-            await self.broker.refresh_acls()
+            await self.meta.put_acls(new)
+            await self.access.refresh()
         return {"throttle_time_ms": 0, "results": results}
 
     async def delete_acls(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
         refused = self._refused(hdr, Operation.ALTER)
-        existing = [] if refused else await self.broker.meta.list_acls()
+        existing = [] if refused else await self.meta.list_acls()
         out, gone = [], []
         for f in req["filters"]:
             bad = refused or ((ErrorCode.INVALID_REQUEST, why) if (why := invalid_filter(f)) else None)
@@ -78,6 +78,6 @@ class AclApi:
                  "resource_name": a.resource_name, "pattern_type": a.pattern_type, "principal": a.principal,
                  "host": a.host, "operation": a.operation, "permission_type": a.permission} for a in matched]})
         if gone:
-            await self.broker.meta.delete_acls(list(dict.fromkeys(gone)))
-            await self.broker.refresh_acls()
+            await self.meta.delete_acls(list(dict.fromkeys(gone)))
+            await self.access.refresh()
         return {"throttle_time_ms": 0, "filter_results": out}

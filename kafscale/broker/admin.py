@@ -2,17 +2,18 @@
 IncrementalAlterConfigs, OffsetForLeaderEpoch, DescribeCluster."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kafscale.broker.access import Access
+from kafscale.broker.partitions import PartitionRegistry
+from kafscale.config import Config
 from kafscale.metadata import topic_config
+from kafscale.metadata.store import MetaStore
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
 from kafscale.storage.partition import LogError
-
-if TYPE_CHECKING:
-    from kafscale.broker.handlers import Broker
 
 RESOURCE_TOPIC, RESOURCE_BROKER = 2, 4
 SOURCE_TOPIC, SOURCE_STATIC_BROKER, SOURCE_DEFAULT = 1, 4, 5
@@ -21,8 +22,11 @@ MAX_PARTITIONS = 10000
 
 
 class AdminApi:
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, cfg: Config, meta: MetaStore, partitions: PartitionRegistry, access: Access) -> None:
+        self.cfg = cfg
+        self.meta = meta
+        self.partitions = partitions
+        self.access = access
         self.handlers = {
             schemas.CREATE_PARTITIONS.key: self.create_partitions,
             schemas.DESCRIBE_CONFIGS.key: self.describe_configs,
@@ -37,8 +41,8 @@ class AdminApi:
         for t in req["topics"]:
             r = {"name": t["name"], "error_code": 0, "error_message": None}
             results.append(r)
-            meta = await self.broker.topic(t["name"])
-            if not self.broker.allowed(hdr, Operation.ALTER, ResourceType.TOPIC, t["name"]):
+            meta = await self.partitions.topic(t["name"])
+            if not self.access.allowed(hdr, Operation.ALTER, ResourceType.TOPIC, t["name"]):
                 r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
             elif meta is None:
                 r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
@@ -50,7 +54,7 @@ class AdminApi:
                 r["error_code"] = ErrorCode.INVALID_REQUEST
                 r["error_message"] = "manual replica assignment is not supported"
             elif not req["validate_only"]:
-                self.broker.topics.put(await self.broker.meta.update_topic(meta.name, partitions=t["count"]))
+                self.partitions.topics.put(await self.meta.update_topic(meta.name, partitions=t["count"]))
         return {"throttle_time_ms": 0, "results": results}
 
     # ---------------------------------------------------------------- configs
@@ -65,12 +69,12 @@ class AdminApi:
             if refused:
                 r["error_code"], r["error_message"] = refused
             elif res["resource_type"] == RESOURCE_TOPIC:
-                meta = await self.broker.topic(res["resource_name"])
+                meta = await self.partitions.topic(res["resource_name"])
                 if meta is None:
                     r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
                     r["error_message"] = f"unknown topic {res['resource_name']}"
                     continue
-                for name, (value, is_default) in topic_config.effective(meta.config, self.broker.cfg).items():
+                for name, (value, is_default) in topic_config.effective(meta.config, self.cfg).items():
                     if keys is None or name in keys:
                         d = topic_config.TOPIC_CONFIGS[name]
                         r["configs"].append(self._entry(name, value, is_default, False, d.type, d.doc,
@@ -93,7 +97,7 @@ class AdminApi:
                 "documentation": doc}
 
     def _broker_configs(self) -> dict[str, str]:
-        cfg = self.broker.cfg
+        cfg = self.cfg
         return {"broker.id": str(cfg.node_id), "auto.create.topics.enable": str(cfg.auto_create_topics).lower(),
                 "num.partitions": str(cfg.default_partitions), "message.max.bytes": str(cfg.max_message_bytes),
                 "socket.request.max.bytes": str(cfg.max_request_bytes), "log.segment.bytes": str(cfg.segment_bytes),
@@ -124,9 +128,9 @@ class AdminApi:
     def _refused(self, hdr: RequestHeader, op: Operation, res: dict[str, Any]) -> tuple[ErrorCode, str] | None:
         """The error for a config resource this principal may not use (None: allowed)."""
         if res["resource_type"] == RESOURCE_BROKER:
-            if not self.broker.allowed(hdr, op, ResourceType.CLUSTER, CLUSTER):
+            if not self.access.allowed(hdr, op, ResourceType.CLUSTER, CLUSTER):
                 return ErrorCode.CLUSTER_AUTHORIZATION_FAILED, f"{hdr.principal} may not {op.name} the cluster"
-        elif res["resource_type"] == RESOURCE_TOPIC and not self.broker.allowed(hdr, op, ResourceType.TOPIC,
+        elif res["resource_type"] == RESOURCE_TOPIC and not self.access.allowed(hdr, op, ResourceType.TOPIC,
                                                                                  res["resource_name"]):
             return ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not {op.name} this topic"
         return None
@@ -145,7 +149,7 @@ class AdminApi:
                 r["error_code"] = ErrorCode.INVALID_REQUEST
                 r["error_message"] = "only topic configs can be altered; broker settings are static"
                 continue
-            meta = await self.broker.topic(res["resource_name"])
+            meta = await self.partitions.topic(res["resource_name"])
             if meta is None:
                 r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
                 continue
@@ -158,7 +162,7 @@ class AdminApi:
             if err:
                 r["error_code"], r["error_message"] = ErrorCode.INVALID_CONFIG, err
             elif not req["validate_only"]:
-                await self.broker.apply_topic_meta(await self.broker.meta.update_topic(meta.name, config=new))
+                await self.partitions.apply_topic_meta(await self.meta.update_topic(meta.name, config=new))
         return {"throttle_time_ms": 0, "responses": out}
 
     # ------------------------------------------------------------ the rest
@@ -167,12 +171,12 @@ class AdminApi:
         high watermark; a client on a newer epoch is ahead of us."""
         topics = []
         for t in req["topics"]:
-            meta = await self.broker.topic(t["topic"])
+            meta = await self.partitions.topic(t["topic"])
             parts = []
             for p in t["partitions"]:
                 r = {"error_code": 0, "partition": p["partition"], "leader_epoch": -1, "end_offset": -1}
                 parts.append(r)
-                if not self.broker.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, t["topic"]):
+                if not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, t["topic"]):
                     r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
                     continue
                 if meta is None or not 0 <= p["partition"] < meta.partitions:
@@ -182,7 +186,7 @@ class AdminApi:
                     r["error_code"] = ErrorCode.UNKNOWN_LEADER_EPOCH
                     continue
                 try:
-                    lg = await self.broker.partition_log(meta.name, p["partition"])
+                    lg = await self.partitions.partition_log(meta.name, p["partition"])
                 except LogError as exc:
                     r["error_code"] = exc.code
                     continue
@@ -192,11 +196,11 @@ class AdminApi:
         return {"throttle_time_ms": 0, "topics": topics}
 
     async def describe_cluster(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
-        if not self.broker.allowed(hdr, Operation.DESCRIBE, ResourceType.CLUSTER, CLUSTER):
+        if not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.CLUSTER, CLUSTER):
             return {"throttle_time_ms": 0, "error_code": ErrorCode.CLUSTER_AUTHORIZATION_FAILED,
                     "error_message": f"{hdr.principal} may not describe the cluster", "cluster_id": "",
                     "brokers": []}
-        brokers = await self.broker.meta.list_brokers()
-        return {"throttle_time_ms": 0, "error_code": 0, "cluster_id": self.broker.cfg.cluster,
-                "controller_id": self.broker.cfg.node_id,
+        brokers = await self.meta.list_brokers()
+        return {"throttle_time_ms": 0, "error_code": 0, "cluster_id": self.cfg.cluster,
+                "controller_id": self.cfg.node_id,
                 "brokers": [{"broker_id": b, "host": h, "port": p, "rack": None} for b, h, p in brokers]}

@@ -15,8 +15,9 @@ import logging
 import weakref
 from typing import Any
 
-from kafscale.broker.handlers import Accepted, Broker
+from kafscale.broker.broker import Broker
 from kafscale.broker.ipc import Channel
+from kafscale.broker.produce_api import Accepted
 from kafscale.broker.server import ProtocolViolation, call_handler, parse_header
 from kafscale.broker.shm import RingTracker, SharedArea, SharedCache
 from kafscale.metadata.store import SegmentManifest
@@ -40,8 +41,8 @@ class LogService:
         # (worker, client connection) -> the lock its appends take, in the order it sent them
         self._append_orders: weakref.WeakValueDictionary[tuple[int, int], asyncio.Lock] = (
             weakref.WeakValueDictionary())
-        broker.on_change = self._changed
-        broker.on_acls = self._acls_changed
+        broker.partitions.on_change = self._changed
+        broker.access.on_acls = self._acls_changed
 
     async def start(self, path: str) -> None:
         self._server = await asyncio.start_unix_server(self._connected, path, limit=64 * 1024 * 1024)
@@ -66,7 +67,7 @@ class LogService:
                 return await self.broker.meta.get_user(*args)
             if kind == "hello":
                 self.channels.add(ch)
-                return [a.to_json() for a in self.broker.authz.acls]
+                return [a.to_json() for a in self.broker.access.authz.acls]
             raise ValueError(f"unknown call {kind}")
 
         ch = Channel(reader, writer, on_call=on_call)
@@ -93,7 +94,7 @@ class LogService:
         if order is None:
             order = self._append_orders[(worker, conn)] = asyncio.Lock()
         hdr = RequestHeader(PRODUCE.key, version, 0, client_id, False, client_host, principal, append_order=order)
-        return await self.broker.produce(hdr, req)
+        return await self.broker.produce_api.produce(hdr, req)
 
     def _accept(self, desc: tuple[Any, ...]) -> Accepted | LogError:
         if desc[0] == "error":
@@ -113,12 +114,13 @@ class LogService:
         return "response", None if chunks is None else b"".join(chunks)
 
     async def _view(self, name: str | None, topic_id: bytes | None, p: int) -> dict[str, Any]:
-        meta = await self.broker.topic(name) if name is not None else await self.broker.topic_by_id(topic_id or b"")
+        partitions = self.broker.partitions
+        meta = await partitions.topic(name) if name is not None else await partitions.topic_by_id(topic_id or b"")
         if meta is None or not 0 <= p < meta.partitions:
             code = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if name is not None else ErrorCode.UNKNOWN_TOPIC_ID
             return {"error": code, "message": f"{name or topic_id!r}/{p}"}
         try:
-            lg = await self.broker.partition_log(meta.name, p)
+            lg = await partitions.partition_log(meta.name, p)
         except LogError as exc:
             return {"error": exc.code, "message": str(exc)}
         cached = {m.key: ref for m in lg.segments if (ref := self.cache.ref(m.key)) is not None}

@@ -11,7 +11,7 @@ import signal
 import time
 
 from kafscale.adminhttp import AdminAuth, AdminServer, Check
-from kafscale.broker.handlers import Broker
+from kafscale.broker.broker import Broker
 from kafscale.broker.logproc import LogService
 from kafscale.broker.shm import SharedArea, SharedCache
 from kafscale.config import Config

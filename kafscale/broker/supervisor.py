@@ -124,7 +124,7 @@ async def _worker_main(cfg: Config, area: SharedArea, slot: int, socket_path: st
 
 
 @dataclass
-class _Node:
+class NodeProcesses:
     cfg: Config
     workers: int
     area: SharedArea
@@ -189,13 +189,13 @@ def _listen_port_free(cfg: Config) -> None:
 
 def run_nodes(cfgs: list[Config]) -> int:
     """Run the nodes until SIGINT/SIGTERM; the process exit code."""
-    nodes: list[_Node] = []
+    nodes: list[NodeProcesses] = []
     _tune_malloc()
     try:
         for cfg in cfgs:
             _listen_port_free(cfg)
             n = cfg.workers or os.cpu_count() or 1
-            nodes.append(_Node(cfg, n, SharedArea(n, cfg.ring_bytes, cfg.cache_bytes),
+            nodes.append(NodeProcesses(cfg, n, SharedArea(n, cfg.ring_bytes, cfg.cache_bytes),
                                tempfile.mkdtemp(prefix="kafscale-")))
             os.mkdir(nodes[-1].metrics_dir)
     except OSError as exc:
@@ -234,7 +234,7 @@ def run_nodes(cfgs: list[Config]) -> int:
             shutil.rmtree(node.dir, ignore_errors=True)
 
 
-def _supervise(nodes: list[_Node], stopping: Callable[[], bool]) -> int:
+def _supervise(nodes: list[NodeProcesses], stopping: Callable[[], bool]) -> int:
     code = 0
     while any(node.pids() for node in nodes):
         try:
@@ -263,7 +263,7 @@ def _supervise(nodes: list[_Node], stopping: Callable[[], bool]) -> int:
     return code
 
 
-def _reap_all(nodes: list[_Node]) -> None:
+def _reap_all(nodes: list[NodeProcesses]) -> None:
     for node in nodes:
         for pid in node.pids():
             try:

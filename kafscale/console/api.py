@@ -25,7 +25,6 @@ from typing import Any
 from aiohttp import web
 
 from kafscale.client import Cluster, Credentials
-from kafscale.config import Config
 from kafscale.metadata.store import MetaStore, TopicExists
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol.errors import ErrorCode, KafkaError
@@ -171,30 +170,3 @@ def add_routes(app: web.Application, meta: MetaStore, cluster: str, health: Any,
     app.router.add_get("/api/topics/{topic}/records", records)
     app.router.add_get("/api/groups/{group}", group)
     app.router.add_post("/api/topics", create_topic)
-
-
-async def serve_standalone(cfg: Config) -> None:
-    """`kafscale console`: the console and /metrics /healthz /readyz with only
-    etcd and S3 (no broker), until SIGINT/SIGTERM."""
-    import signal
-
-    from kafscale.adminhttp import AdminAuth, AdminServer
-    from kafscale.storage.objectstore import ObjectStore
-
-    meta = MetaStore.from_config(cfg)
-    await meta.start()
-    store = ObjectStore.from_config(cfg)
-    await store.start()
-    admin = AdminServer(cfg.admin_listen or "127.0.0.1:9644", {"etcd": meta.ping, "s3": store.ping},
-                        console=(meta, cfg.cluster), auth=AdminAuth(cfg, meta))
-    await admin.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await admin.close()
-        await store.close()
-        await meta.close()

@@ -1,0 +1,218 @@
+"""The partitions this broker owns: the topic cache (kept current by a
+watch on etcd), opening a partition's log when it is first used here
+(claiming it in etcd under the broker's lease), handing partitions over when
+the membership says another broker should have them, retention, and dropping
+everything when the lease is lost. The API classes get partition logs from
+here and never open one themselves."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kafscale.broker.cluster import Cluster
+from kafscale.config import Config
+from kafscale.metadata import topic_config
+from kafscale.metadata.store import MetaStore, SegmentManifest, TopicCache, TopicExists, TopicMeta
+from kafscale.metadata.topic_config import topic_name_error
+from kafscale.protocol.errors import ErrorCode
+from kafscale.storage.objectstore import ObjectStore
+from kafscale.storage.partition import LogError, PartitionLog
+from kafscale.storage.reader import ReadBudget, SegmentSource
+
+log = logging.getLogger(__name__)
+
+
+class PartitionRegistry:
+    def __init__(self, cfg: Config, store: ObjectStore, meta: MetaStore, cache: SegmentSource,
+                 cluster: Cluster) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.meta = meta
+        self.cache = cache
+        self.cluster = cluster
+        self.read_budget = ReadBudget(cfg.readahead_memory_bytes)
+        # told when a partition log commits a segment, moves its start or closes
+        self.on_change: Callable[[PartitionLog, SegmentManifest | None], None] = lambda lg, m: None
+        self.logs: dict[tuple[str, int], PartitionLog] = {}
+        self._opening: dict[tuple[str, int], asyncio.Future[PartitionLog]] = {}
+        self.topics = TopicCache()
+        self.lease: Any = None  # our etcd lease: partition ownership hangs on it
+        self.closing = False  # shutting down: no partition is opened any more
+
+    # ----------------------------------------------------------------- topics
+    async def topic(self, name: str, auto_create: bool = False) -> TopicMeta | None:
+        meta = self.topics.get(name)
+        if meta is None:
+            meta = await self.meta.get_topic(name)
+            if meta is None and auto_create and self.cfg.auto_create_topics and topic_name_error(name) is None:
+                try:
+                    meta = await self.meta.create_topic(name, self.cfg.default_partitions, {})
+                    log.info("auto-created topic %s", name)
+                except TopicExists:
+                    meta = await self.meta.get_topic(name)
+            if meta is not None:
+                self.topics.put(meta)
+        return meta
+
+    async def topic_by_id(self, topic_id: bytes) -> TopicMeta | None:
+        """From the topic cache, which the topic watch keeps current: a request
+        naming thousands of ids costs no etcd reads."""
+        return self.topics.by_id(topic_id)
+
+    async def apply_topic_meta(self, meta: TopicMeta) -> None:
+        """Adopt a topic's new configuration in the cache and its open logs."""
+        self.topics.put(meta)
+        for (name, _), lg in self.logs.items():
+            if name == meta.name:
+                self._configure(lg, meta)
+
+    def _configure(self, lg: PartitionLog, meta: TopicMeta) -> None:
+        lg.segment_bytes = topic_config.value(meta.config, "segment.bytes", self.cfg)
+
+    async def forget_topic(self, name: str) -> None:
+        """Close a deleted topic's open logs and drop it from the cache."""
+        for key in [k for k in self.logs if k[0] == name]:
+            await self.logs.pop(key).close(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
+        self.topics.pop(name)
+
+    async def drop_topic(self, name: str) -> None:
+        """Delete a topic's etcd keys and then its objects."""
+        await self.forget_topic(name)
+        await self.meta.delete_topic(name)
+        prefix = f"{self.cfg.namespace}/{name}/"
+        self.cache.drop_prefix(prefix)
+        n = await self.store.delete_prefix(prefix)
+        log.info("deleted topic %s (%d objects)", name, n)
+
+    # ------------------------------------------------------------------- logs
+    async def partition_log(self, topic: str, p: int) -> PartitionLog:
+        key = (topic, p)
+        lg = self.logs.get(key)
+        if lg is not None and not lg.closed:
+            return lg
+        pending = self._opening.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        if self.closing:
+            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"broker {self.cfg.node_id} is shutting down")
+        desired = self.cluster.desired_owner(topic, p)
+        if desired != self.cfg.node_id:
+            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} belongs on broker {desired}")
+        fut: asyncio.Future[PartitionLog] = asyncio.get_running_loop().create_future()
+        self._opening[key] = fut
+        try:
+            if not await self.meta.claim_owner(topic, p, self.cfg.node_id, self.lease):
+                owner = await self.meta.owner_of(topic, p)
+                raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} is still owned by broker {owner}")
+            lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self.read_budget,
+                              lambda lg, m: self.on_change(lg, m))
+            meta = self.topics.get(topic)
+            if meta is not None:
+                self._configure(lg, meta)
+            await lg.open()
+            self.logs[key] = lg
+            fut.set_result(lg)
+            return lg
+        except LogError as exc:
+            fut.set_exception(exc)
+            fut.exception()
+            raise
+        except KeyError as exc:  # the topic was deleted meanwhile
+            err = LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, str(exc))
+            fut.set_exception(err)
+            fut.exception()
+            raise err from exc
+        except Exception as exc:  # etcd unreachable or similar: clients retry on this code
+            log.warning("cannot open %s/%d: %r", topic, p, exc)
+            err = LogError(ErrorCode.LEADER_NOT_AVAILABLE, f"partition {topic}/{p} is not available: {exc}")
+            fut.set_exception(err)
+            fut.exception()  # retrieved: waiters re-raise it
+            raise err from exc
+        finally:
+            del self._opening[key]
+
+    async def release_partition(self, topic: str, p: int, lg: PartitionLog, drain_s: float = 10) -> None:
+        self.logs.pop((topic, p), None)
+        await lg.close(drain_s=drain_s)
+        await self.meta.release_owner(topic, p, self.cfg.node_id)
+
+    def high_watermark(self, topic: str, p: int) -> int | None:
+        """The high watermark of a partition open here, else None."""
+        lg = self.logs.get((topic, p))
+        return None if lg is None else lg.hw
+
+    async def hand_over_misplaced(self) -> None:
+        """Release (after flushing) the partitions another broker should have now."""
+        for (topic, p), lg in list(self.logs.items()):
+            desired = self.cluster.desired_owner(topic, p)
+            if desired != self.cfg.node_id:
+                log.info("handing %s/%d over to broker %d", topic, p, desired)
+                await self.release_partition(topic, p, lg)
+
+    async def drop_all(self, new_lease: Any) -> None:
+        """Our lease expired (we were paused or cut off): whatever we owned may
+        have a new owner already. Close it all; commits would be fenced anyway."""
+        log.warning("etcd lease lost: dropping %d partitions", len(self.logs))
+        logs, self.logs = list(self.logs.values()), {}
+        await asyncio.gather(*(lg.close() for lg in logs))
+        self.lease = new_lease
+
+    async def close(self, drain_s: float = 10) -> None:
+        """Flush what producers are waiting on (up to drain_s) and release the
+        partitions so other brokers take over at once. From the first moment
+        no partition is opened here any more (requests get
+        NOT_LEADER_OR_FOLLOWER), so what is handed over stays handed over."""
+        self.closing = True
+        await asyncio.gather(*self._opening.values(), return_exceptions=True)  # opened or failed: then released
+        results = await asyncio.gather(*(self.release_partition(t, p, lg, drain_s)
+                                         for (t, p), lg in list(self.logs.items())), return_exceptions=True)
+        for exc in results:
+            if isinstance(exc, BaseException):
+                log.warning("handing a partition over failed (its lease expiry hands it over): %r", exc)
+
+    # ------------------------------------------------------ background loops
+    async def watch_topics(self) -> None:
+        """Keep the topic cache current with what any broker changes in etcd
+        (partitions added, configs altered, topics deleted). After an etcd
+        outage the cache is read afresh, then watched again."""
+        while True:
+            try:
+                for meta in await self.meta.list_topics():
+                    await self.apply_topic_meta(meta)
+                async for name, meta in self.meta.watch_topics():
+                    if meta is not None:
+                        await self.apply_topic_meta(meta)
+                    else:
+                        await self.forget_topic(name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("watching topics failed (%r); reading them again in 1 s", exc)
+            await asyncio.sleep(1)
+
+    async def retention_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.retention_check_ms / 1000)
+            try:
+                await self.enforce_retention()
+            except Exception as exc:
+                log.warning("retention pass failed: %r", exc)
+
+    async def enforce_retention(self) -> int:
+        """Apply every topic's retention.ms / retention.bytes to its partitions."""
+        removed = 0
+        now_ms = int(time.time() * 1000)
+        for meta in await self.meta.list_topics():
+            self.topics.put(meta)
+            ms = topic_config.value(meta.config, "retention.ms", self.cfg)
+            size = topic_config.value(meta.config, "retention.bytes", self.cfg)
+            if ms < 0 and size < 0:
+                continue
+            for p in range(meta.partitions):
+                if self.cluster.desired_owner(meta.name, p) == self.cfg.node_id:
+                    lg = await self.partition_log(meta.name, p)
+                    removed += await lg.apply_retention(ms, size, now_ms)
+        return removed

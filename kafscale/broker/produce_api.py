@@ -1,0 +1,124 @@
+"""Produce (payloads already validated by a protocol worker and handed over
+in shared memory) and InitProducerId. A produce is answered once every
+batch it carries is durable: in a segment in S3 and committed in etcd."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kafscale import _native
+from kafscale.broker.access import Access
+from kafscale.broker.partitions import PartitionRegistry
+from kafscale.config import Config
+from kafscale.metadata import topic_config
+from kafscale.metadata.store import MetaStore
+from kafscale.protocol import schemas
+from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
+from kafscale.protocol.framing import RequestHeader
+from kafscale.security.acl import CLUSTER, Operation, ResourceType
+from kafscale.storage.partition import LogError
+
+log = logging.getLogger(__name__)
+
+# A produce payload a worker validated and put in shared memory, and how to
+# hand that memory back; or the error the worker found instead.
+Accepted = tuple[memoryview, Callable[[], None]]
+
+
+class ProduceApi:
+    def __init__(self, cfg: Config, meta: MetaStore, partitions: PartitionRegistry, access: Access) -> None:
+        self.cfg = cfg
+        self.meta = meta
+        self.partitions = partitions
+        self.access = access
+        self.handlers = {
+            schemas.PRODUCE.key: self.produce,
+            schemas.INIT_PRODUCER_ID.key: self.init_producer_id,
+        }
+
+    async def produce(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any] | None:
+        acks = req["acks"]
+        results: list[tuple[dict[str, Any], asyncio.Future[int] | None]] = []
+        responses = []
+        async with hdr.append_order:  # appends in the order the connection sent them
+            for td in req["topic_data"]:
+                parts = []
+                writable = self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, td["name"])
+                creatable = writable and self.access.may_create_topic(hdr, td["name"])
+                meta = await self.partitions.topic(td["name"], creatable) if writable else None
+                for pd in td["partition_data"]:
+                    r = {"index": pd["index"], "error_code": 0, "base_offset": -1, "log_append_time_ms": -1,
+                         "log_start_offset": -1, "record_errors": [], "error_message": None}
+                    parts.append(r)
+                    fut = None
+                    accepted: Accepted | LogError | None = pd["records"]
+                    try:
+                        if isinstance(accepted, LogError):
+                            raise accepted
+                        if not writable:
+                            raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not write")
+                        if acks not in (0, 1, -1):
+                            raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
+                        if req.get("transactional_id") is not None:
+                            raise LogError(ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, NO_TRANSACTIONS)
+                        if meta is None or not 0 <= pd["index"] < meta.partitions:
+                            raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{td['name']}/{pd['index']}")
+                        payload, release = accepted
+                        batches = _native.scan_batches(payload)
+                        limit = topic_config.value(meta.config, "max.message.bytes", self.cfg)
+                        if any(b.size > limit for b in batches):
+                            raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
+                        lg = await self.partitions.partition_log(meta.name, pd["index"])
+                        base, fut = lg.append(payload, batches, acks != 0, release)
+                        accepted = None  # the log releases the payload now
+                        r["base_offset"] = base
+                        r["log_start_offset"] = lg.log_start
+                    except LogError as exc:
+                        r["error_code"], r["error_message"] = exc.code, str(exc)
+                        log.info("produce %s/%s rejected: %s %s", td["name"], pd["index"], exc.code.name, exc)
+                    finally:
+                        if isinstance(accepted, tuple):
+                            accepted[1]()
+                    results.append((r, fut))
+                responses.append({"name": td["name"], "partition_responses": parts})
+        if acks == 0:
+            return None
+        await self._await_durable(results, req["timeout_ms"] / 1000)
+        return {"responses": responses, "throttle_time_ms": 0}
+
+    @staticmethod
+    async def _await_durable(results: list[tuple[dict[str, Any], asyncio.Future[int] | None]],
+                             wait_s: float) -> None:
+        futs = [f for _, f in results if f is not None]
+        if futs:
+            await asyncio.wait(futs, timeout=max(wait_s, 0.001))
+        for r, fut in results:
+            if fut is None:
+                continue
+            if not fut.done():
+                r["error_code"], r["error_message"] = ErrorCode.REQUEST_TIMED_OUT, "not durable within timeout_ms"
+                r["base_offset"] = -1
+                fut.add_done_callback(lambda f: f.exception())  # it may still complete later
+            elif fut.exception() is not None:
+                exc = fut.exception()
+                r["error_code"] = exc.code if isinstance(exc, LogError) else ErrorCode.UNKNOWN_SERVER_ERROR
+                r["error_message"], r["base_offset"] = str(exc), -1
+            else:
+                r["base_offset"] = fut.result()
+
+    async def init_producer_id(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        if req.get("transactional_id") is not None:
+            return {"throttle_time_ms": 0, "error_code": ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+                    "producer_id": -1, "producer_epoch": -1}
+        # Kafka's rule (KIP-679): IdempotentWrite on the cluster, or Write on some topic
+        if not (self.access.allowed(hdr, Operation.IDEMPOTENT_WRITE, ResourceType.CLUSTER, CLUSTER)
+                or self.access.may_write_some_topic(hdr)):
+            return {"throttle_time_ms": 0, "error_code": ErrorCode.CLUSTER_AUTHORIZATION_FAILED,
+                    "producer_id": -1, "producer_epoch": -1}
+        # Without a transactional id Kafka always allocates a fresh producer id,
+        # whatever id and epoch the request carries (a client may send 0/0, or an
+        # id another producer holds): two producers must never share one.
+        return {"throttle_time_ms": 0, "error_code": 0, "producer_id": await self.meta.next_producer_id(),
+                "producer_epoch": 0}

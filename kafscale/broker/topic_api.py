@@ -1,0 +1,192 @@
+"""Topic requests: Metadata, ListOffsets, CreateTopics, DeleteTopics."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kafscale.broker.access import Access
+from kafscale.broker.cluster import Cluster
+from kafscale.broker.partitions import PartitionRegistry
+from kafscale.config import Config
+from kafscale.metadata import topic_config
+from kafscale.metadata.store import MetaStore, TopicExists, TopicMeta, unavailable
+from kafscale.metadata.topic_config import topic_name_error
+from kafscale.protocol import schemas
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.framing import RequestHeader
+from kafscale.security.acl import Operation, ResourceType
+from kafscale.storage.partition import LogError
+
+log = logging.getLogger(__name__)
+
+
+class TopicApi:
+    def __init__(self, cfg: Config, meta: MetaStore, partitions: PartitionRegistry, access: Access,
+                 cluster: Cluster) -> None:
+        self.cfg = cfg
+        self.meta = meta
+        self.partitions = partitions
+        self.access = access
+        self.cluster = cluster
+        self.handlers = {
+            schemas.METADATA.key: self.metadata,
+            schemas.LIST_OFFSETS.key: self.list_offsets,
+            schemas.CREATE_TOPICS.key: self.create_topics,
+            schemas.DELETE_TOPICS.key: self.delete_topics,
+        }
+
+    # --------------------------------------------------------------- Metadata
+    def _broker_list(self) -> list[dict[str, Any]]:
+        return [{"node_id": b, "host": h, "port": p, "rack": None}
+                for b, (h, p) in sorted(self.cluster.brokers.items())]
+
+    def _topic_metadata(self, meta: TopicMeta, owners: dict[tuple[str, int], int]) -> dict[str, Any]:
+        parts = []
+        for p in range(meta.partitions):
+            leader = owners.get((meta.name, p))
+            if leader not in self.cluster.brokers:  # unowned (or owner gone): where it will be claimed
+                leader = self.cluster.desired_owner(meta.name, p)
+            parts.append({"error_code": 0, "partition_index": p, "leader_id": leader, "leader_epoch": 0,
+                          "replica_nodes": [leader], "isr_nodes": [leader], "offline_replicas": []})
+        return {"error_code": 0, "name": meta.name, "topic_id": meta.id, "is_internal": False, "partitions": parts}
+
+    @staticmethod
+    def _topic_error(code: ErrorCode, name: str | None, t: dict[str, Any]) -> dict[str, Any]:
+        return {"error_code": code, "name": name, "topic_id": t.get("topic_id", bytes(16)), "partitions": []}
+
+    async def metadata(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        """Topics, partitions and leaders. While etcd is unreachable, answered
+        from what this broker last read (leaders where they will be claimed)."""
+        wanted = req.get("topics")
+        etcd_down = False
+        try:
+            owners = await self.meta.owners()
+        except Exception as exc:
+            if not unavailable(exc):
+                raise
+            log.warning("Metadata: etcd unreachable (%r); answering from the cached topics", exc)
+            owners, etcd_down = {}, True
+        if wanted is None or (hdr.api_version == 0 and not wanted):
+            metas = list(self.partitions.topics.values()) if etcd_down else await self.meta.list_topics()
+            for m in metas:
+                self.partitions.topics.put(m)
+            topics = [self._topic_metadata(m, owners) for m in sorted(metas, key=lambda m: m.name)
+                      if self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, m.name)]
+        else:
+            topics = []
+            auto = req.get("allow_auto_topic_creation", True)
+            for t in wanted:
+                name = t.get("name")
+                if name and not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, name):
+                    topics.append(self._topic_error(ErrorCode.TOPIC_AUTHORIZATION_FAILED, name, t))
+                    continue
+                meta = (await self.partitions.topic(name, auto and self.access.may_create_topic(hdr, name)) if name
+                        else await self.partitions.topic_by_id(t.get("topic_id", b"")))
+                if meta is not None and not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, meta.name):
+                    topics.append(self._topic_error(ErrorCode.TOPIC_AUTHORIZATION_FAILED, name, t))
+                elif meta is None:
+                    err = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if name else ErrorCode.UNKNOWN_TOPIC_ID
+                    if name and topic_name_error(name):
+                        err = ErrorCode.INVALID_TOPIC_EXCEPTION
+                    topics.append(self._topic_error(err, name, t))
+                else:
+                    topics.append(self._topic_metadata(meta, owners))
+        return {"throttle_time_ms": 0, "brokers": self._broker_list(), "cluster_id": self.cfg.cluster,
+                "controller_id": self.cfg.node_id, "topics": topics}
+
+    # ------------------------------------------------------------ ListOffsets
+    async def list_offsets(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        topics = []
+        for t in req["topics"]:
+            meta = await self.partitions.topic(t["name"])
+            parts = []
+            for p in t["partitions"]:
+                r = {"partition_index": p["partition_index"], "error_code": 0, "old_style_offsets": [],
+                     "timestamp": -1, "offset": -1, "leader_epoch": 0}
+                parts.append(r)
+                if not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, t["name"]):
+                    r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+                    continue
+                if meta is None or not 0 <= p["partition_index"] < meta.partitions:
+                    r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+                    continue
+                try:
+                    lg = await self.partitions.partition_log(meta.name, p["partition_index"])
+                except LogError as exc:
+                    r["error_code"] = exc.code
+                    continue
+                ts = p["timestamp"]
+                if ts == -1:
+                    r["offset"] = lg.hw
+                elif ts == -2:
+                    r["offset"] = lg.log_start
+                elif ts == -3:  # v7+: the record with the largest timestamp
+                    r["offset"], r["timestamp"] = await lg.offset_of_max_timestamp()
+                elif ts < 0:
+                    r["error_code"] = ErrorCode.INVALID_REQUEST
+                else:
+                    r["offset"], r["timestamp"] = await lg.offset_for_timestamp(ts)
+                r["old_style_offsets"] = [r["offset"]] if r["offset"] >= 0 else []
+            topics.append({"name": t["name"], "partitions": parts})
+        return {"throttle_time_ms": 0, "topics": topics}
+
+    # ----------------------------------------------------------- CreateTopics
+    async def create_topics(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        out = []
+        for t in req["topics"]:
+            name = t["name"]
+            n = t["num_partitions"]
+            n = self.cfg.default_partitions if n == -1 else n
+            r = {"name": name, "topic_id": bytes(16), "error_code": 0, "error_message": None,
+                 "num_partitions": n, "replication_factor": 1, "configs": []}
+            out.append(r)
+            configs = {c["name"]: c["value"] for c in t["configs"]}
+            bad_cfg = topic_config.validate(configs)
+            if not self.access.may_create_topic(hdr, name):
+                r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+                r["error_message"] = f"{hdr.principal} may not create topic {name}"
+            elif topic_name_error(name):
+                r["error_code"], r["error_message"] = ErrorCode.INVALID_TOPIC_EXCEPTION, topic_name_error(name)
+            elif n <= 0 or n > 10000:
+                r["error_code"], r["error_message"] = ErrorCode.INVALID_PARTITIONS, f"{n} partitions"
+            elif t["replication_factor"] == 0 or t["replication_factor"] < -1:
+                r["error_code"] = ErrorCode.INVALID_REPLICATION_FACTOR
+                r["error_message"] = "replication factor must be -1 or positive (S3 provides the durability)"
+            elif t["assignments"]:
+                r["error_code"] = ErrorCode.INVALID_REQUEST
+                r["error_message"] = "manual replica assignment is not supported"
+            elif bad_cfg:
+                r["error_code"], r["error_message"] = ErrorCode.INVALID_CONFIG, bad_cfg
+            elif req.get("validate_only"):
+                pass
+            else:
+                try:
+                    meta = await self.meta.create_topic(name, n, {k: v for k, v in configs.items() if v is not None})
+                    self.partitions.topics.put(meta)
+                    r["topic_id"] = meta.id
+                    log.info("created topic %s with %d partitions", name, n)
+                except TopicExists:
+                    r["error_code"] = ErrorCode.TOPIC_ALREADY_EXISTS
+                    r["error_message"] = f"topic {name} already exists"
+            r["configs"] = [{"name": k, "value": v, "read_only": False, "config_source": 1, "is_sensitive": False}
+                            for k, v in configs.items()]
+        return {"throttle_time_ms": 0, "topics": out}
+
+    # ----------------------------------------------------------- DeleteTopics
+    async def delete_topics(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        wanted: list[tuple[str | None, bytes]] = [(n, bytes(16)) for n in req.get("topic_names") or []]
+        wanted += [(t["name"], t["topic_id"]) for t in req.get("topics") or []]
+        out = []
+        for name, topic_id in wanted:
+            meta = await self.partitions.topic(name) if name else await self.partitions.topic_by_id(topic_id)
+            r = {"name": name, "topic_id": topic_id, "error_code": 0, "error_message": None}
+            out.append(r)
+            if not self.access.allowed(hdr, Operation.DELETE, ResourceType.TOPIC, meta.name if meta else name or ""):
+                r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+                continue
+            if meta is None:
+                r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if name else ErrorCode.UNKNOWN_TOPIC_ID
+                continue
+            r["name"], r["topic_id"] = meta.name, meta.id
+            await self.partitions.drop_topic(meta.name)
+        return {"throttle_time_ms": 0, "responses": out}
