@@ -1,7 +1,8 @@
-"""Messages between a node's protocol workers and its log process over a Unix
-stream socket: a 4-byte length, then a pickled tuple. Only descriptors and
-small control messages travel here; produce payloads stay in the shared
-rings. Calls are answered in whatever order they finish; events are one-way."""
+"""The channel between a node's protocol workers and its log process over a
+Unix stream socket: a 4-byte length, then a pickled envelope around one of
+the message objects of messages.py. Only descriptors and small control
+messages travel here; produce payloads stay in the shared rings. Calls are
+answered in whatever order they finish; events are one-way."""
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,8 @@ log = logging.getLogger(__name__)
 _LEN = struct.Struct(">I")
 _CALL, _REPLY, _EVENT = 0, 1, 2
 
-OnCall = Callable[[str, tuple[Any, ...]], Awaitable[Any]]
-OnEvent = Callable[[str, tuple[Any, ...]], None]
+OnCall = Callable[[Any], Awaitable[Any]]  # a call message -> its reply
+OnEvent = Callable[[Any], None]
 
 
 class RemoteError(Exception):
@@ -47,16 +48,16 @@ class Channel:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         self._writer.write(_LEN.pack(len(data)) + data)
 
-    def call(self, kind: str, *args: Any) -> asyncio.Future[Any]:
+    def call(self, message: Any) -> asyncio.Future[Any]:
         """Send a call now (so calls keep their order) and return the future reply."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         call_id = next(self._ids)
-        self._send((_CALL, call_id, kind, args))
+        self._send((_CALL, call_id, message))
         self._waiting[call_id] = fut
         return fut
 
-    def event(self, kind: str, *args: Any) -> None:
-        self._send((_EVENT, kind, args))
+    def event(self, message: Any) -> None:
+        self._send((_EVENT, message))
 
     async def serve(self) -> None:
         """Read until the peer closes; then fail whatever still waits on a reply."""
@@ -72,22 +73,22 @@ class Channel:
                         else:
                             fut.set_exception(RemoteError(msg[3]))
                 elif msg[0] == _CALL:
-                    task = asyncio.create_task(self._answer(msg[1], msg[2], msg[3]))
+                    task = asyncio.create_task(self._answer(msg[1], msg[2]))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
                 elif self._on_event is not None:
-                    self._on_event(msg[1], msg[2])
+                    self._on_event(msg[1])
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             self.close()
 
-    async def _answer(self, call_id: int, kind: str, args: tuple[Any, ...]) -> None:
+    async def _answer(self, call_id: int, message: Any) -> None:
         assert self._on_call is not None
         try:
-            reply = (_REPLY, call_id, True, await self._on_call(kind, args))
+            reply = (_REPLY, call_id, True, await self._on_call(message))
         except Exception as exc:
-            log.exception("%s call failed", kind)
+            log.exception("%s call failed", type(message).__name__)
             reply = (_REPLY, call_id, False, f"{type(exc).__name__}: {exc}")
         if not self.closed:
             self._send(reply)

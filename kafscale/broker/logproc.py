@@ -1,15 +1,11 @@
-"""The log process's service to its workers, over a Unix socket.
-
-Calls: `hello` (the worker's ring slot; answered with the ACLs), `produce` (a
-Produce whose payloads are ring descriptors), `view` (open a partition for
-Fetch: its segments, watermarks and cached segments), `user` (a SASL user's
-stored credentials) and `frame` (any other request, raw). Events to every
-worker: `changed` whenever a partition log commits a segment, moves its start
-offset or closes; `acls` when the ACLs change."""
+"""The log process's service to its workers, over a Unix socket: it answers
+the calls of messages.py (Hello, Produce, Frame, OpenView, GetUser) through
+one dispatch table, and sends every worker PartitionChanged whenever a
+partition log commits a segment, moves its start offset or closes, and
+AclsChanged when the ACLs change."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import weakref
@@ -17,6 +13,20 @@ from typing import Any
 
 from kafscale.broker.broker import Broker
 from kafscale.broker.ipc import Channel
+from kafscale.broker.messages import (
+    AclsChanged,
+    Frame,
+    FrameResult,
+    GetUser,
+    Hello,
+    OpenView,
+    PartitionChanged,
+    PartitionSnapshot,
+    Produce,
+    RejectedPayload,
+    RingPayload,
+    ViewRefused,
+)
 from kafscale.broker.produce_api import Accepted
 from kafscale.broker.server import ProtocolViolation, call_handler, parse_header
 from kafscale.broker.shm import RingTracker, SharedArea, SharedCache
@@ -56,19 +66,18 @@ class LogService:
             await asyncio.wait(self._conn_tasks, timeout=5)
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        async def on_call(kind: str, args: tuple[Any, ...]) -> Any:
-            if kind == "produce":
-                return await self._produce(id(ch), *args)
-            if kind == "frame":
-                return await self._frame(*args)
-            if kind == "view":
-                return await self._view(*args)
-            if kind == "user":
-                return await self.broker.meta.get_user(*args)
-            if kind == "hello":
-                self.channels.add(ch)
-                return [a.to_json() for a in self.broker.access.authz.acls]
-            raise ValueError(f"unknown call {kind}")
+        async def hello(_msg: Hello) -> list[bytes]:
+            self.channels.add(ch)
+            return [a.to_json() for a in self.broker.access.authz.acls]
+
+        async def get_user(msg: GetUser) -> dict[str, Any] | None:
+            return await self.broker.meta.get_user(msg.name)
+
+        calls: dict[type, Any] = {Hello: hello, Produce: lambda msg: self._produce(id(ch), msg),
+                                  Frame: self._frame, OpenView: self._view, GetUser: get_user}
+
+        async def on_call(msg: Any) -> Any:
+            return await calls[type(msg)](msg)
 
         ch = Channel(reader, writer, on_call=on_call)
         task = asyncio.current_task()
@@ -81,63 +90,61 @@ class LogService:
             self._conn_tasks.discard(task)
 
     # ------------------------------------------------------------------ calls
-    async def _produce(self, worker: int, conn: int, version: int, client_id: str | None, client_host: str,
-                       principal: str, req: dict[str, Any]) -> dict[str, Any] | None:
+    async def _produce(self, worker: int, msg: Produce) -> dict[str, Any] | None:
         """A connection's produces are appended in the order it sent them (calls
         start in arrival order and take its lock first thing); other
         connections' produces do not wait for them, even while this one opens
         partitions."""
+        req = msg.request
         for td in req["topic_data"]:
             for pd in td["partition_data"]:
                 pd["records"] = self._accept(pd["records"])
-        order = self._append_orders.get((worker, conn))
+        order = self._append_orders.get((worker, msg.conn))
         if order is None:
-            order = self._append_orders[(worker, conn)] = asyncio.Lock()
-        hdr = RequestHeader(PRODUCE.key, version, 0, client_id, False, client_host, principal, append_order=order)
+            order = self._append_orders[(worker, msg.conn)] = asyncio.Lock()
+        hdr = RequestHeader(PRODUCE.key, msg.version, 0, msg.client_id, False, msg.client_host, msg.principal,
+                            append_order=order)
         return await self.broker.produce_api.produce(hdr, req)
 
-    def _accept(self, desc: tuple[Any, ...]) -> Accepted | LogError:
-        if desc[0] == "error":
-            return LogError(ErrorCode(desc[1]), desc[2])
-        _, slot, start, n = desc
-        tracker = self.trackers[slot]
-        return tracker.track(start, n), functools.partial(tracker.release, start)
+    def _accept(self, payload: RingPayload | RejectedPayload) -> Accepted | LogError:
+        if isinstance(payload, RejectedPayload):
+            return LogError(ErrorCode(payload.code), payload.message)
+        tracker = self.trackers[payload.slot]
+        return tracker.track(payload.start, payload.length), functools.partial(tracker.release, payload.start)
 
-    async def _frame(self, client_host: str, principal: str, frame: bytes) -> tuple[str, Any]:
+    async def _frame(self, msg: Frame) -> FrameResult:
         try:
-            view = memoryview(frame)
+            view = memoryview(msg.frame)
             hdr, body_at = parse_header(view)
-            hdr.client_host, hdr.principal = client_host, principal
+            hdr.client_host, hdr.principal = msg.client_host, msg.principal
             chunks = await call_handler(self.broker.handlers, hdr, view, body_at)
         except ProtocolViolation as exc:
-            return "violation", str(exc)
-        return "response", None if chunks is None else b"".join(chunks)
+            return FrameResult(violation=str(exc))
+        return FrameResult(None if chunks is None else b"".join(chunks))
 
-    async def _view(self, name: str | None, topic_id: bytes | None, p: int) -> dict[str, Any]:
-        partitions = self.broker.partitions
-        meta = await partitions.topic(name) if name is not None else await partitions.topic_by_id(topic_id or b"")
+    async def _view(self, msg: OpenView) -> PartitionSnapshot | ViewRefused:
+        partitions, p = self.broker.partitions, msg.partition
+        meta = (await partitions.topic(msg.topic) if msg.topic is not None
+                else await partitions.topic_by_id(msg.topic_id or b""))
         if meta is None or not 0 <= p < meta.partitions:
-            code = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if name is not None else ErrorCode.UNKNOWN_TOPIC_ID
-            return {"error": code, "message": f"{name or topic_id!r}/{p}"}
+            code = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if msg.topic is not None else ErrorCode.UNKNOWN_TOPIC_ID
+            return ViewRefused(code, f"{msg.topic or msg.topic_id!r}/{p}")
         try:
             lg = await partitions.partition_log(meta.name, p)
         except LogError as exc:
-            return {"error": exc.code, "message": str(exc)}
+            return ViewRefused(exc.code, str(exc))
         cached = {m.key: ref for m in lg.segments if (ref := self.cache.ref(m.key)) is not None}
-        return {"topic": meta.name, "topic_id": meta.id, "hw": lg.hw, "log_start": lg.log_start,
-                "segments": [dataclasses.asdict(m) for m in lg.segments], "cached": cached}
+        return PartitionSnapshot(meta.name, meta.id, lg.hw, lg.log_start, list(lg.segments), cached)
 
     # ----------------------------------------------------------------- events
     def _acls_changed(self, acls: list[AclBinding]) -> None:
-        raw = [a.to_json() for a in acls]
-        for ch in list(self.channels):
-            if not ch.closed:
-                ch.event("acls", raw)
+        self._broadcast(AclsChanged([a.to_json() for a in acls]))
 
     def _changed(self, lg: PartitionLog, manifest: SegmentManifest | None) -> None:
         ref = self.cache.ref(manifest.key) if manifest is not None else None
-        args = (lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start,
-                None if manifest is None else dataclasses.asdict(manifest), ref)
+        self._broadcast(PartitionChanged(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start, manifest, ref))
+
+    def _broadcast(self, event: AclsChanged | PartitionChanged) -> None:
         for ch in list(self.channels):
             if not ch.closed:
-                ch.event("changed", *args)
+                ch.event(event)

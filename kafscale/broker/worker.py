@@ -15,6 +15,20 @@ from typing import Any
 
 from kafscale import _native, metrics
 from kafscale.broker.ipc import Channel, ChannelClosed
+from kafscale.broker.messages import (
+    AclsChanged,
+    Frame,
+    FrameResult,
+    GetUser,
+    Hello,
+    OpenView,
+    PartitionChanged,
+    PartitionSnapshot,
+    Produce,
+    RejectedPayload,
+    RingPayload,
+    ViewRefused,
+)
 from kafscale.broker.server import (
     ON_SENT,
     SESSION,
@@ -74,17 +88,16 @@ class PartitionView(LogReader):
     watermarks and cache locations, kept current by the log process's events."""
 
     def __init__(self, store: ObjectStore, cache: CacheReader, readahead: int, budget: ReadBudget,
-                 state: dict[str, Any]) -> None:
-        self.topic: str = state["topic"]
+                 state: PartitionSnapshot) -> None:
+        self.topic = state.topic
         self.view_cache = _ViewCache(cache)
         super().__init__(store, self.view_cache, readahead, budget)
-        self.set_segments([SegmentManifest(**m) for m in state["segments"]])
-        self.view_cache.refs.update(state["cached"])
-        self.hw, self.log_start = state["hw"], state["log_start"]
+        self.set_segments(list(state.segments))
+        self.view_cache.refs.update(state.cached)
+        self.hw, self.log_start = state.hw, state.log_start
 
-    def apply(self, hw: int, log_start: int, manifest: dict[str, Any] | None, ref: CacheRef | None) -> None:
-        if manifest is not None:
-            m = SegmentManifest(**manifest)
+    def apply(self, hw: int, log_start: int, m: SegmentManifest | None, ref: CacheRef | None) -> None:
+        if m is not None:
             self.add_segment(m)
             if ref is not None:
                 self.view_cache.refs[m.key] = ref
@@ -111,7 +124,7 @@ class Worker:
         self.topic_ids: dict[bytes, str] = {}
         self._changed = asyncio.Event()
         self._opening = 0  # views being opened: their events may arrive before the view exists
-        self._early: list[tuple[Any, ...]] = []
+        self._early: list[PartitionChanged] = []
         self.handlers = {
             schemas.API_VERSIONS.key: self.api_versions,
             schemas.PRODUCE.key: self.produce,
@@ -124,10 +137,10 @@ class Worker:
         reader, writer = await asyncio.open_unix_connection(socket_path, limit=64 * 1024 * 1024)
         self.chan = Channel(reader, writer, on_event=self._on_event)
         self._serving = asyncio.create_task(self.chan.serve())
-        self._set_acls(await self.chan.call("hello", self.slot))
+        self._set_acls(await self.chan.call(Hello(self.slot)))
         host, port = self.cfg.listen_addr()
         mechanisms = self.cfg.sasl_mechanism_list()
-        sasl = SaslSettings(mechanisms, lambda user: self.chan.call("user", user)) if mechanisms else None
+        sasl = SaslSettings(mechanisms, lambda user: self.chan.call(GetUser(user))) if mechanisms else None
         self.server = KafkaServer(self.handlers, host, port, ConnectionLimits.from_config(self.cfg), reuse_port=True,
                                   forward=self.forward, ssl=self.cfg.server_ssl(), sasl=sasl,
                                   proxy_secret=self.cfg.proxy_secret)
@@ -151,28 +164,26 @@ class Worker:
     def _set_acls(self, raw: list[bytes]) -> None:
         self.authz.update(AclBinding.from_json(a) for a in raw)
 
-    def _on_event(self, kind: str, args: tuple[Any, ...]) -> None:
-        if kind == "acls":
-            self._set_acls(args[0])
-        if kind != "changed":
+    def _on_event(self, event: AclsChanged | PartitionChanged) -> None:
+        if isinstance(event, AclsChanged):
+            self._set_acls(event.acls)
             return
-        view = self.views.get((args[0], args[1]))
+        view = self.views.get((event.topic, event.partition))
         if view is not None:
-            self._apply(view, *args)
+            self._apply(view, event)
         elif self._opening:
-            self._early.append(args)
+            self._early.append(event)
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _apply(self, view: PartitionView, topic: str, p: int, closed: bool, hw: int, log_start: int,
-               manifest: dict[str, Any] | None, ref: CacheRef | None) -> None:
-        if closed:
+    def _apply(self, view: PartitionView, ev: PartitionChanged) -> None:
+        if ev.closed:
             view.stop_reading()
-            self.views.pop((topic, p), None)
-            if not any(t == topic for t, _ in self.views):  # no view names the topic: forget its id
-                self.topic_ids = {i: n for i, n in self.topic_ids.items() if n != topic}
-        elif manifest is None or manifest["base"] >= view.hw:  # not already in the view's snapshot
-            view.apply(max(hw, view.hw), log_start, manifest, ref)
+            self.views.pop((ev.topic, ev.partition), None)
+            if not any(t == ev.topic for t, _ in self.views):  # no view names the topic: forget its id
+                self.topic_ids = {i: n for i, n in self.topic_ids.items() if n != ev.topic}
+        elif ev.manifest is None or ev.manifest.base >= view.hw:  # not already in the view's snapshot
+            view.apply(max(ev.hw, view.hw), ev.log_start, ev.manifest, ev.ref)
 
     # ------------------------------------------------------------- requests
     async def api_versions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
@@ -185,12 +196,12 @@ class Worker:
         assert self.chan is not None
         try:
             async with hdr.append_order:
-                kind, value = await self.chan.call("frame", hdr.client_host, hdr.principal, bytes(frame))
+                result: FrameResult = await self.chan.call(Frame(hdr.client_host, hdr.principal, bytes(frame)))
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
-        if kind == "violation":
-            raise ProtocolViolation(value)
-        return None if value is None else [value]
+        if result.violation is not None:
+            raise ProtocolViolation(result.violation)
+        return None if result.response is None else [result.response]
 
     async def produce(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any] | None:
         """Validate each payload and put it in the ring; the log process does
@@ -201,8 +212,8 @@ class Worker:
             for pd in td["partition_data"]:
                 pd["records"] = self._stage(pd["records"])
         try:
-            reply = self.chan.call("produce", SESSION.get().conn, hdr.api_version, hdr.client_id, hdr.client_host,
-                                   hdr.principal, req)
+            reply = self.chan.call(Produce(SESSION.get().conn, hdr.api_version, hdr.client_id, hdr.client_host,
+                                           hdr.principal, req))
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
         if req["acks"] == 0:
@@ -213,27 +224,27 @@ class Worker:
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
 
-    def _stage(self, payload: memoryview | None) -> tuple[Any, ...]:
+    def _stage(self, payload: memoryview | None) -> RingPayload | RejectedPayload:
         if payload is None or len(payload) == 0:
-            return ("error", ErrorCode.INVALID_RECORD, "no records")
+            return RejectedPayload(ErrorCode.INVALID_RECORD, "no records")
         try:
             batches = _native.validate_batches(payload, self.cfg.validate_compressed,
                                                self.cfg.max_uncompressed_batch_bytes)
         except _native.BatchError as exc:
-            return ("error", exc.code, str(exc))
+            return RejectedPayload(exc.code, str(exc))
         n = len(payload)
         if n > self.ring.size:
-            return ("error", ErrorCode.MESSAGE_TOO_LARGE, f"{n} bytes exceed the produce buffer")
+            return RejectedPayload(ErrorCode.MESSAGE_TOO_LARGE, f"{n} bytes exceed the produce buffer")
         start = self.ring.alloc(n)
         if start is None:
-            return ("error", ErrorCode.NOT_ENOUGH_REPLICAS, RING_FULL)
+            return RejectedPayload(ErrorCode.NOT_ENOUGH_REPLICAS, RING_FULL)
         staged = self.ring.view(start, n)
         staged[:] = payload
         for b in batches:
             if b.max_timestamp_fixed:
                 _native.set_max_timestamp(staged, b)
         metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process()).inc(n)
-        return ("ring", self.slot, start, n)
+        return RingPayload(self.slot, start, n)
 
     # ---------------------------------------------------------------- Fetch
     async def fetch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
@@ -260,7 +271,7 @@ class Worker:
         assert self.chan is not None
         self._opening += 1
         try:
-            reply = await self.chan.call("view", name, topic_id, p)
+            reply = await self.chan.call(OpenView(name, topic_id, p))
         except ChannelClosed:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, "the broker is shutting down") from None
         finally:
@@ -268,17 +279,17 @@ class Worker:
             early = self._early
             if not self._opening:
                 self._early = []
-        if "error" in reply:
-            raise LogError(ErrorCode(reply["error"]), reply["message"])
-        name = reply["topic"]
-        self.topic_ids[reply["topic_id"]] = name
+        if isinstance(reply, ViewRefused):
+            raise LogError(ErrorCode(reply.code), reply.message)
+        name = reply.topic
+        self.topic_ids[reply.topic_id] = name
         view = self.views.get((name, p))  # another fetch may have opened it meanwhile
         if view is None:
             view = self.views[(name, p)] = PartitionView(self.store, self.cache, self.cfg.readahead_bytes,
                                                                 self.read_budget, reply)
-            for args in early:
-                if (args[0], args[1]) == (name, p) and (name, p) in self.views:
-                    self._apply(view, *args)
+            for ev in early:
+                if (ev.topic, ev.partition) == (name, p) and (name, p) in self.views:
+                    self._apply(view, ev)
         if (name, p) not in self.views:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{name}/{p} moved while it was opened")
         return view

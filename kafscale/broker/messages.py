@@ -1,0 +1,112 @@
+"""The messages between a node's protocol workers and its log process (sent
+pickled over ipc.Channel). Calls go from a worker to the log process, which
+answers each; events go from the log process to every worker.
+
+A produce request crosses the hop with each partition's `records` replaced:
+the worker puts a validated payload in its shared-memory ring and sends a
+RingPayload (or a RejectedPayload saying why not); the log process turns a
+RingPayload back into the bytes in place (produce_api.Accepted)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafscale.broker.shm import CacheRef
+from kafscale.metadata.store import SegmentManifest
+
+
+# ------------------------------------------------------------ produce payloads
+@dataclass(frozen=True)
+class RingPayload:
+    """A validated payload: `length` bytes at `start` in worker `slot`'s ring."""
+    slot: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RejectedPayload:
+    """A payload the worker refused (invalid, too large, ring full): the partition's error."""
+    code: int
+    message: str
+
+
+# ---------------------------------------------------------------------- calls
+@dataclass(frozen=True)
+class Hello:
+    """A worker starts; answered with the current ACLs (AclBinding JSON each)."""
+    slot: int
+
+
+@dataclass(frozen=True)
+class Produce:
+    """A Produce request whose payloads are in the rings; answered with the response body (None for acks=0)."""
+    conn: int  # the client connection within the worker: its appends keep their order
+    version: int
+    client_id: str | None
+    client_host: str
+    principal: str
+    request: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Frame:
+    """Any other request, as received; answered with a FrameResult."""
+    client_host: str
+    principal: str
+    frame: bytes
+
+
+@dataclass(frozen=True)
+class FrameResult:
+    response: bytes | None = None  # the response frame body, None when there is none (acks=0)
+    violation: str | None = None  # the request broke the protocol: close the connection
+
+
+@dataclass(frozen=True)
+class OpenView:
+    """Open a partition for Fetch (by name or topic id); answered with a
+    PartitionSnapshot or a ViewRefused."""
+    topic: str | None
+    topic_id: bytes | None
+    partition: int
+
+
+@dataclass(frozen=True)
+class PartitionSnapshot:
+    topic: str
+    topic_id: bytes
+    hw: int
+    log_start: int
+    segments: list[SegmentManifest]
+    cached: dict[str, CacheRef] = field(default_factory=dict)  # segment key -> where it is in the shared cache
+
+
+@dataclass(frozen=True)
+class ViewRefused:
+    code: int
+    message: str
+
+
+@dataclass(frozen=True)
+class GetUser:
+    """A SASL user's stored credentials; answered with them or None."""
+    name: str
+
+
+# --------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class AclsChanged:
+    acls: list[bytes]  # AclBinding JSON each
+
+
+@dataclass(frozen=True)
+class PartitionChanged:
+    """A partition log committed a segment (manifest), moved its start, or closed."""
+    topic: str
+    partition: int
+    closed: bool
+    hw: int
+    log_start: int
+    manifest: SegmentManifest | None
+    ref: CacheRef | None
