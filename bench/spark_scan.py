@@ -35,7 +35,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY, DevStack
 from kafscale.spark import register
-from kafscale.spark.segments import StoreOptions, list_segments
+from kafscale.storage.scan import StoreOptions, list_segments
 
 SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()),
                     ("partition", pa.int32()), ("offset", pa.int64()), ("timestamp", pa.timestamp("us", tz="UTC"))])

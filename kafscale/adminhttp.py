@@ -16,6 +16,7 @@ from aiohttp import web
 
 from kafscale import metrics
 from kafscale.config import Config
+from kafscale.lifecycle import stop_on_signals
 from kafscale.metadata.store import MetaStore
 from kafscale.security.acl import Authorizer
 from kafscale.security.sasl import SaslExchange, SaslFailed
@@ -148,7 +149,6 @@ class AdminServer:
 async def serve_standalone(cfg: Config) -> None:
     """`kafscale console`: the console and /metrics /healthz /readyz with only
     etcd and S3 (no broker), until SIGINT/SIGTERM."""
-    import signal
 
     from kafscale.storage.objectstore import ObjectStore
 
@@ -159,10 +159,7 @@ async def serve_standalone(cfg: Config) -> None:
     admin = AdminServer(cfg.admin_listen or "127.0.0.1:9644", {"etcd": meta.ping, "s3": store.ping},
                         console=(meta, cfg.cluster), auth=AdminAuth(cfg, meta))
     await admin.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     try:
         await stop.wait()
     finally:

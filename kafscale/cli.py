@@ -133,7 +133,7 @@ def _store(cfg: config_mod.Config) -> Any:
 
 
 async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None) -> None:
-    from kafscale.storage.segment import HEADER_SIZE, parse_header
+    from kafscale.storage.segment import HEADER_SIZE, parse_header, parse_segment_key
 
     prefix = f"{cfg.namespace}/{topic}/" + ("" if partition is None else f"{partition}/")
     async with _store(cfg) as store:
@@ -143,7 +143,8 @@ async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None
             if not key.endswith(".kfs"):
                 continue
             hdr = parse_header(await store.get(key, 0, HEADER_SIZE))
-            part = key[len(cfg.namespace) + len(topic) + 2:].split("/")[0]
+            parsed = parse_segment_key(key)
+            part = parsed.partition if parsed is not None else "?"
             print(f"{part:>9} {hdr.base_offset:>12} {hdr.count:>8} {obj['Size']:>10}  {key}")
 
 

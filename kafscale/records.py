@@ -26,8 +26,8 @@ from kafscale.client import (
 )
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode, KafkaError
+from kafscale.protocol.types import EARLIEST, LATEST
 
-EARLIEST, LATEST = -2, -1
 FETCH_VERSION = 12  # topics by name (v13 wants topic ids)
 FETCH_WAIT_MS = 500
 PARTITION_FETCH_BYTES = 1 << 20

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 import threading
 from datetime import datetime
@@ -13,9 +12,11 @@ from typing import Any
 
 from kafscale import _native
 from kafscale.client import Cluster, decode_assignment
+from kafscale.lifecycle import stop_on_signals
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import KafkaError
-from kafscale.records import EARLIEST, LATEST, Consumer, Producer, Record, Start, list_offsets
+from kafscale.protocol.types import EARLIEST, LATEST
+from kafscale.records import Consumer, Producer, Record, Start, list_offsets
 
 TOPIC_RESOURCE = 2
 OP_SET, OP_DELETE = 0, 1
@@ -239,16 +240,7 @@ async def consume(c: Cluster, args: argparse.Namespace) -> None:
             out.write((show(r.key) + separator if args.print_key else b"") + show(r.value) + b"\n")
         out.flush()
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def stopping() -> None:  # the first Ctrl-C stops cleanly (commit, leave), a second one at once
-        stop.set()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopping)
+    stop = stop_on_signals(once=True)  # the first Ctrl-C stops cleanly (commit, leave), a second one at once
     count = await consumer.run(emit, args.max_messages, args.exit_at_end, stop)
     print(f"Processed a total of {count} messages", file=sys.stderr)
 

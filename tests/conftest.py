@@ -203,3 +203,11 @@ def spark() -> Iterator:
     register(session)
     yield session
     session.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/integration needs real etcd, SeaweedFS and brokers:
+    `pytest -m "not integration"` runs the unit tests alone."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.integration)

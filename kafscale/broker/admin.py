@@ -8,7 +8,7 @@ from kafscale.broker.access import Access
 from kafscale.broker.partitions import PartitionRegistry
 from kafscale.config import Config
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import MetaStore
+from kafscale.metadata.store import MetaStore, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
@@ -179,7 +179,7 @@ class AdminApi:
                 if not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, t["topic"]):
                     r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
                     continue
-                if meta is None or not 0 <= p["partition"] < meta.partitions:
+                if not has_partition(meta, p["partition"]):
                     r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
                     continue
                 if p["current_leader_epoch"] > 0:

@@ -94,9 +94,6 @@ class Broker:
             for (topic, p), committed in (await self.meta.fetch_offsets(group)).items():
                 if (topic, p) not in hws:
                     hw = self.partitions.high_watermark(topic, p)
-                    if hw is None:
-                        state = await self.meta.get_partition(topic, p)
-                        hw = state[0].hw if state else 0
-                    hws[(topic, p)] = hw
+                    hws[(topic, p)] = hw if hw is not None else (await self.meta.watermarks(topic, p))[0]
                 lag[(group, topic, p)] = max(hws[(topic, p)] - committed["offset"], 0)
         return lag

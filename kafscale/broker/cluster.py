@@ -36,6 +36,11 @@ class Cluster:
         found = rendezvous(f"p|{topic}|{partition}", sorted(self.brokers))
         return self.me if found is None else found
 
+    def leader(self, topic: str, partition: int, recorded: int | None) -> int:
+        """Who serves a partition: its recorded owner while that broker is live,
+        else the broker that will claim it on first use."""
+        return recorded if recorded in self.brokers else self.desired_owner(topic, partition)
+
     def coordinator_for(self, group: str) -> int:
         found = rendezvous(f"g|{group}", sorted(self.brokers))
         return self.me if found is None else found

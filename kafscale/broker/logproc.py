@@ -30,7 +30,7 @@ from kafscale.broker.messages import (
 from kafscale.broker.produce_api import Accepted
 from kafscale.broker.server import ProtocolViolation, call_handler, parse_header
 from kafscale.broker.shm import RingTracker, SharedArea, SharedCache
-from kafscale.metadata.store import SegmentManifest
+from kafscale.metadata.store import SegmentManifest, has_partition
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
 from kafscale.protocol.schemas import PRODUCE
@@ -126,7 +126,7 @@ class LogService:
         partitions, p = self.broker.partitions, msg.partition
         meta = (await partitions.topic(msg.topic) if msg.topic is not None
                 else await partitions.topic_by_id(msg.topic_id or b""))
-        if meta is None or not 0 <= p < meta.partitions:
+        if not has_partition(meta, p):
             code = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if msg.topic is not None else ErrorCode.UNKNOWN_TOPIC_ID
             return ViewRefused(code, f"{msg.topic or msg.topic_id!r}/{p}")
         try:

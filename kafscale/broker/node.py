@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
 
 from kafscale.adminhttp import AdminAuth, AdminServer, Check
@@ -15,6 +14,7 @@ from kafscale.broker.broker import Broker
 from kafscale.broker.logproc import LogService
 from kafscale.broker.shm import SharedArea, SharedCache
 from kafscale.config import Config
+from kafscale.lifecycle import stop_on_signals
 from kafscale.metadata.store import MetaStore
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.reader import SegmentSource
@@ -123,10 +123,7 @@ async def run_log_process(cfg: Config, area: SharedArea, socket_path: str, ready
     except BaseException:
         await node.stop()
         raise
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     admin = None
     if cfg.admin_listen:
         admin = AdminServer(cfg.admin_listen, node.readiness_checks(), node.broker.group_lag,

@@ -13,7 +13,7 @@ from kafscale.broker.access import Access
 from kafscale.broker.partitions import PartitionRegistry
 from kafscale.config import Config
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import MetaStore
+from kafscale.metadata.store import MetaStore, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
 from kafscale.protocol.framing import RequestHeader
@@ -63,7 +63,7 @@ class ProduceApi:
                             raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
                         if req.get("transactional_id") is not None:
                             raise LogError(ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, NO_TRANSACTIONS)
-                        if meta is None or not 0 <= pd["index"] < meta.partitions:
+                        if not has_partition(meta, pd["index"]):
                             raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{td['name']}/{pd['index']}")
                         payload, release = accepted
                         batches = _native.scan_batches(payload)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from kafscale import metrics
 from kafscale.broker.shm import SharedArea
 from kafscale.config import Config
+from kafscale.lifecycle import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,7 @@ async def _worker_main(cfg: Config, area: SharedArea, slot: int, socket_path: st
         raise
     os.write(ready_fd, b"1")
     os.close(ready_fd)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     log_gone = asyncio.create_task(w.run_until_log_process_exits())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait([log_gone, stopping], return_when=asyncio.FIRST_COMPLETED)

@@ -9,11 +9,12 @@ from kafscale.broker.cluster import Cluster
 from kafscale.broker.partitions import PartitionRegistry
 from kafscale.config import Config
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import MetaStore, TopicExists, TopicMeta, unavailable
+from kafscale.metadata.store import MetaStore, TopicExists, TopicMeta, has_partition, unavailable
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import RequestHeader
+from kafscale.protocol.types import EARLIEST, LATEST, MAX_TIMESTAMP
 from kafscale.security.acl import Operation, ResourceType
 from kafscale.storage.partition import LogError
 
@@ -43,9 +44,7 @@ class TopicApi:
     def _topic_metadata(self, meta: TopicMeta, owners: dict[tuple[str, int], int]) -> dict[str, Any]:
         parts = []
         for p in range(meta.partitions):
-            leader = owners.get((meta.name, p))
-            if leader not in self.cluster.brokers:  # unowned (or owner gone): where it will be claimed
-                leader = self.cluster.desired_owner(meta.name, p)
+            leader = self.cluster.leader(meta.name, p, owners.get((meta.name, p)))
             parts.append({"error_code": 0, "partition_index": p, "leader_id": leader, "leader_epoch": 0,
                           "replica_nodes": [leader], "isr_nodes": [leader], "offline_replicas": []})
         return {"error_code": 0, "name": meta.name, "topic_id": meta.id, "is_internal": False, "partitions": parts}
@@ -107,7 +106,7 @@ class TopicApi:
                 if not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, t["name"]):
                     r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
                     continue
-                if meta is None or not 0 <= p["partition_index"] < meta.partitions:
+                if not has_partition(meta, p["partition_index"]):
                     r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
                     continue
                 try:
@@ -116,11 +115,11 @@ class TopicApi:
                     r["error_code"] = exc.code
                     continue
                 ts = p["timestamp"]
-                if ts == -1:
+                if ts == LATEST:
                     r["offset"] = lg.hw
-                elif ts == -2:
+                elif ts == EARLIEST:
                     r["offset"] = lg.log_start
-                elif ts == -3:  # v7+: the record with the largest timestamp
+                elif ts == MAX_TIMESTAMP:
                     r["offset"], r["timestamp"] = await lg.offset_of_max_timestamp()
                 elif ts < 0:
                     r["error_code"] = ErrorCode.INVALID_REQUEST

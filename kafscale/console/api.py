@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from kafscale.client import Cluster, Credentials
-from kafscale.metadata.store import MetaStore, TopicExists
+from kafscale.metadata.store import MetaStore, PartitionState, TopicExists
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol.errors import ErrorCode, KafkaError
 from kafscale.records import browse
@@ -48,8 +48,7 @@ async def overview(meta: MetaStore, health: dict[str, str], cluster: str) -> dic
     for t in sorted(topics, key=lambda t: t.name):
         parts = []
         for p in range(t.partitions):
-            state = states.get((t.name, p))
-            hw, start = (state.hw, state.log_start) if state else (0, 0)
+            hw, start = PartitionState.watermarks(states.get((t.name, p)))
             hws[(t.name, p)] = hw
             parts.append({"partition": p, "high_watermark": hw, "log_start": start, "leader": owners.get((t.name, p)),
                           "segments": counts.get((t.name, p), 0)})

@@ -5,7 +5,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kafscale.groups.coordinator import GroupCoordinator, GroupError, offset_record
-from kafscale.metadata.store import TopicMeta
+from kafscale.metadata.store import TopicMeta, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
 from kafscale.protocol.framing import RequestHeader
@@ -129,7 +129,7 @@ class GroupApi:
                 if not topic_ok:
                     results[key] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
                     continue
-                if meta is None or not 0 <= p["partition_index"] < meta.partitions:
+                if not has_partition(meta, p["partition_index"]):
                     results[key] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
                     continue
                 try:

@@ -25,7 +25,7 @@ import random
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import aetcd
 from aetcd.utils import prefix_range_end
@@ -64,6 +64,11 @@ class TopicMeta:
     def from_json(cls, name: str, raw: bytes) -> TopicMeta:
         d = json.loads(raw)
         return cls(name, bytes.fromhex(d["id"]), d["partitions"], d.get("config", {}))
+
+
+def has_partition(meta: TopicMeta | None, p: int) -> TypeGuard[TopicMeta]:
+    """Whether the topic exists and has partition p."""
+    return meta is not None and 0 <= p < meta.partitions
 
 
 class TopicCache:
@@ -106,6 +111,11 @@ class PartitionState(_JsonRecord):
     epoch: int
     hw: int
     log_start: int
+
+    @staticmethod
+    def watermarks(state: PartitionState | None) -> tuple[int, int]:
+        """(high watermark, log start offset); (0, 0) for a partition never claimed."""
+        return (state.hw, state.log_start) if state is not None else (0, 0)
 
 
 @dataclass
@@ -347,6 +357,11 @@ class MetaStore:
         return sorted(out)
 
     # -------------------------------------------------------------- partitions
+    async def watermarks(self, topic: str, p: int) -> tuple[int, int]:
+        """(high watermark, log start offset) of a partition; (0, 0) if never claimed."""
+        cur = await self.get_partition(topic, p)
+        return PartitionState.watermarks(cur[0] if cur else None)
+
     async def get_partition(self, topic: str, p: int) -> tuple[PartitionState, bytes] | None:
         r = await self.client.get(self.k("partitions", topic, p))
         if r is None:

@@ -34,7 +34,7 @@ import yaml
 
 from kafscale import config as config_mod
 from kafscale.metadata.store import MetaStore
-from kafscale.spark.segments import Slice, StoreOptions, arrow_batches, list_segments
+from kafscale.storage.scan import Slice, StoreOptions, arrow_batches, list_segments
 from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE
 
 log = logging.getLogger("kafscale.processor.iceberg")

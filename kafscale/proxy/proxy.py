@@ -18,6 +18,7 @@ from typing import Any
 from kafscale.broker.cluster import Cluster
 from kafscale.broker.server import SESSION, Handler
 from kafscale.config import Config
+from kafscale.lifecycle import stop_on_signals
 from kafscale.metadata.store import MetaStore
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
@@ -146,8 +147,7 @@ class Proxy:
         return max(wait_ms, 0) / 1000 + self.cfg.proxy_upstream_timeout_s
 
     def _owner(self, topic: str, p: int) -> int:
-        owner = self.owners.get((topic, p))
-        return owner if owner in self.cluster.brokers else self.cluster.desired_owner(topic, p)
+        return self.cluster.leader(topic, p, self.owners.get((topic, p)))
 
     async def _send_any(self, hdr: RequestHeader, body: dict[str, Any]) -> dict[str, Any]:
         """Send to a live broker; one that fails (dead but its lease not yet
@@ -296,7 +296,6 @@ class Proxy:
 
 
 async def run_proxy_until_signal(cfg: Config) -> None:
-    import signal
 
     from kafscale.adminhttp import AdminAuth, AdminServer
     from kafscale.broker.server import ConnectionLimits, KafkaServer, SaslSettings
@@ -321,10 +320,7 @@ async def run_proxy_until_signal(cfg: Config) -> None:
 
         admin = AdminServer(cfg.admin_listen, {"etcd": meta.ping, "brokers": brokers_known}, auth=AdminAuth(cfg, meta))
         await admin.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     await stop.wait()
     if admin is not None:
         await admin.close()

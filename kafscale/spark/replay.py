@@ -52,7 +52,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     extras.load("pyspark", "replay")
-    segments = extras.load("kafscale.spark.segments", "replay")
+    segments = extras.load("kafscale.storage.scan", "replay")
     try:
         options = {"topic": args.topic, **bound_options(args.start, "starting"), **bound_options(args.end, "ending"),
                    **segments.StoreOptions.from_config(config_mod.load(args), not args.no_etcd).as_source_options()}

@@ -23,7 +23,7 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
-from kafscale.spark.segments import Slice, StoreOptions, arrow_batches, plan, read_slice
+from kafscale.storage.scan import Slice, StoreOptions, arrow_batches, plan, read_slice
 
 SCHEMA = ("key binary, value binary, topic string, partition int, offset long, timestamp timestamp, "
           "timestampType int, headers array<struct<key: string, value: binary>>")

@@ -19,7 +19,7 @@ from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol.errors import ErrorCode, KafkaError
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectStore
-from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE, SegmentIndex, index_key, parse_index
+from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE, SegmentIndex, first_at_or_after, index_key, parse_index
 
 
 class LogError(KafkaError):
@@ -358,13 +358,9 @@ class LogReader:
             if m.max_ts < ts or m.last < self.log_start:
                 continue
             seg = await self.whole(m)
-            body = memoryview(seg.data)[HEADER_SIZE:seg.body_end]
-            for b in _native.scan_batches(body):
-                if b.max_timestamp < ts:
-                    continue
-                for off, rts, _, _, _ in _native.iter_records(b, body):
-                    if rts >= ts and off >= self.log_start:
-                        return off, rts
+            found = first_at_or_after(memoryview(seg.data)[HEADER_SIZE:seg.body_end], ts, self.log_start)
+            if found is not None:
+                return found
         return -1, -1
 
     async def offset_of_max_timestamp(self) -> tuple[int, int]:

@@ -18,6 +18,7 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kafscale import _native
 
@@ -52,10 +53,35 @@ def index_key(segment: str) -> str:
 SEGMENT_KEY = re.compile(r"/(\d+)/segment-(\d{20})-(\d{10})\.(kfs|index)$")
 
 
+class SegmentKey(NamedTuple):
+    partition: int
+    base_offset: int
+    epoch: int
+    kind: str  # "kfs" (the segment) or "index"
+
+
+def parse_segment_key(key: str) -> SegmentKey | None:
+    """What a segment or index object's key says (None: not such a key)."""
+    m = SEGMENT_KEY.search(key)
+    return None if m is None else SegmentKey(int(m[1]), int(m[2]), int(m[3]), m[4])
+
+
 def key_epoch(key: str) -> int | None:
     """The owner epoch a segment or index key was written under (None: not such a key)."""
-    m = SEGMENT_KEY.search(key)
-    return None if m is None else int(m.group(3))
+    parsed = parse_segment_key(key)
+    return None if parsed is None else parsed.epoch
+
+
+def first_at_or_after(body: bytes | memoryview, ts: int, min_offset: int = 0) -> tuple[int, int] | None:
+    """(offset, timestamp) of the first record at or after min_offset whose
+    timestamp is >= ts, among the record batches in body; None if there is none."""
+    for b in _native.scan_batches(body):
+        if b.max_timestamp < ts:
+            continue
+        for off, rts, _, _, _ in _native.iter_records(b, body):
+            if rts >= ts and off >= min_offset:
+                return off, rts
+    return None
 
 
 @dataclass

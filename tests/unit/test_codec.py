@@ -171,3 +171,11 @@ def test_strict_encoding_refuses_what_would_be_lost():
 def test_schema_invariants_are_checked_at_load(schema, why):
     with pytest.raises(ValueError, match=why):
         Message(parse_schema(schema), 4)
+
+
+def test_error_codes_are_in_numeric_order_and_know_which_are_retriable():
+    from kafscale.protocol.errors import ErrorCode
+
+    assert list(ErrorCode) == sorted(ErrorCode)
+    assert ErrorCode.NOT_LEADER_OR_FOLLOWER.retriable and ErrorCode.REQUEST_TIMED_OUT.retriable
+    assert not ErrorCode.TOPIC_AUTHORIZATION_FAILED.retriable and not ErrorCode.INVALID_RECORD.retriable

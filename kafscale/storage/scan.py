@@ -19,10 +19,17 @@ import pyarrow as pa
 from kafscale import _native
 from kafscale.config import Config
 from kafscale.metadata.store import MetaStore, SegmentManifest
+from kafscale.protocol.types import EARLIEST, LATEST
 from kafscale.storage.objectstore import ObjectStore, sync_client
-from kafscale.storage.segment import FOOTER, FOOTER_SIZE, HEADER_SIZE, SEGMENT_KEY, index_key, parse_index
-
-EARLIEST, LATEST = -2, -1  # Kafka's special offsets in startingOffsets / endingOffsets
+from kafscale.storage.segment import (
+    FOOTER,
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    first_at_or_after,
+    index_key,
+    parse_index,
+    parse_segment_key,
+)
 
 
 @dataclass(frozen=True)
@@ -107,8 +114,7 @@ async def _from_etcd(opts: StoreOptions, topic: str) -> dict[int, tuple[list[Seg
             raise ValueError(f"topic {topic!r} does not exist in cluster {opts.cluster!r}")
         out = {}
         for p in range(tm.partitions):
-            state = await meta.get_partition(topic, p)
-            hw, start = (state[0].hw, state[0].log_start) if state else (0, 0)
+            hw, start = await meta.watermarks(topic, p)
             segs = [_segment(p, m) for m in await meta.list_segments(topic, p) if start <= m.last < hw]
             out[p] = (segs, max(start, segs[0].base if segs else start), hw)
         return out
@@ -128,10 +134,10 @@ async def _from_listing(opts: StoreOptions, topic: str) -> dict[int, tuple[list[
     found: dict[int, dict[int, tuple[int, str, int]]] = {}
     async with opts.store() as store:
         for obj in await store.list(f"{opts.namespace}/{topic}/"):
-            m = SEGMENT_KEY.search(obj["Key"])
-            if m is None or m[4] != "kfs" or not obj["Key"].startswith(f"{opts.namespace}/{topic}/"):
+            k = parse_segment_key(obj["Key"])
+            if k is None or k.kind != "kfs" or not obj["Key"].startswith(f"{opts.namespace}/{topic}/"):
                 continue
-            p, base, epoch = int(m[1]), int(m[2]), int(m[3])
+            p, base, epoch = k.partition, k.base_offset, k.epoch
             cur = found.setdefault(p, {}).get(base)
             if cur is None or epoch > cur[0]:
                 found[p][base] = (epoch, obj["Key"], int(obj["Size"]))
@@ -183,13 +189,9 @@ async def offset_for_time(store: ObjectStore, segs: list[Segment], ts: int, hw: 
     for s in segs:
         if s.max_ts != -1 and s.max_ts < ts:
             continue
-        data = await store.get(s.key, HEADER_SIZE, s.size - FOOTER_SIZE)
-        for b in _native.scan_batches(data):
-            if b.max_timestamp < ts:
-                continue
-            for off, rts, _, _, _ in _native.iter_records(b, data):
-                if rts >= ts:
-                    return off
+        found = first_at_or_after(await store.get(s.key, HEADER_SIZE, s.size - FOOTER_SIZE), ts)
+        if found is not None:
+            return found[0]
     return hw
 
 
