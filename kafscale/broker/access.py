@@ -7,9 +7,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from kafscale.broker.context import RequestContext
 from kafscale.config import Config
 from kafscale.metadata.store import MetaStore
-from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import CLUSTER, AclBinding, Authorizer, Operation, ResourceType
 
 log = logging.getLogger(__name__)
@@ -28,14 +28,14 @@ class Access:
     def enabled(self) -> bool:
         return self.authz.enabled
 
-    def allowed(self, hdr: RequestHeader, op: Operation, rtype: ResourceType, name: str) -> bool:
+    def allowed(self, hdr: RequestContext, op: Operation, rtype: ResourceType, name: str) -> bool:
         return self.authz.allows(hdr.principal, hdr.client_host, op, rtype, name)
 
-    def may_create_topic(self, hdr: RequestHeader, name: str) -> bool:
+    def may_create_topic(self, hdr: RequestContext, name: str) -> bool:
         return (self.allowed(hdr, Operation.CREATE, ResourceType.CLUSTER, CLUSTER)
                 or self.allowed(hdr, Operation.CREATE, ResourceType.TOPIC, name))
 
-    def may_write_some_topic(self, hdr: RequestHeader) -> bool:
+    def may_write_some_topic(self, hdr: RequestContext) -> bool:
         return self.authz.allows_any_topic(hdr.principal, hdr.client_host, Operation.WRITE)
 
     async def refresh(self) -> None:

@@ -7,10 +7,10 @@ from itertools import groupby
 from typing import Any
 
 from kafscale.broker.access import Access
+from kafscale.broker.context import RequestContext
 from kafscale.metadata.store import MetaStore
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import CLUSTER, AclBinding, Operation, ResourceType, invalid_filter
 
 
@@ -24,14 +24,14 @@ class AclApi:
             schemas.DELETE_ACLS.key: self.delete_acls,
         }
 
-    def _refused(self, hdr: RequestHeader, op: Operation) -> tuple[ErrorCode, str] | None:
+    def _refused(self, hdr: RequestContext, op: Operation) -> tuple[ErrorCode, str] | None:
         if not self.access.enabled:
             return ErrorCode.SECURITY_DISABLED, "no authorizer is configured on this broker (--authorizer)"
         if not self.access.allowed(hdr, op, ResourceType.CLUSTER, CLUSTER):
             return ErrorCode.CLUSTER_AUTHORIZATION_FAILED, f"{hdr.principal} may not {op.name} ACLs"
         return None
 
-    async def describe_acls(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def describe_acls(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         refused = self._refused(hdr, Operation.DESCRIBE) or (
             (ErrorCode.INVALID_REQUEST, bad) if (bad := invalid_filter(req)) else None)
         if refused:
@@ -47,7 +47,7 @@ class AclApi:
                      for (rtype, name, pattern), acls in groupby(sorted(matching, key=resource), key=resource)]
         return {"throttle_time_ms": 0, "error_code": 0, "error_message": None, "resources": resources}
 
-    async def create_acls(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def create_acls(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         refused = self._refused(hdr, Operation.ALTER)
         results, new = [], []
         for c in req["creations"]:
@@ -62,7 +62,7 @@ class AclApi:
             await self.access.refresh()
         return {"throttle_time_ms": 0, "results": results}
 
-    async def delete_acls(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def delete_acls(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         refused = self._refused(hdr, Operation.ALTER)
         existing = [] if refused else await self.meta.list_acls()
         out, gone = [], []

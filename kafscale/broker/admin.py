@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from kafscale.broker.access import Access
+from kafscale.broker.context import RequestContext
 from kafscale.broker.partitions import PartitionRegistry
 from kafscale.config import Config
 from kafscale.metadata import topic_config
 from kafscale.metadata.store import MetaStore, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
 from kafscale.storage.partition import LogError
 
@@ -36,7 +36,7 @@ class AdminApi:
             schemas.DESCRIBE_CLUSTER.key: self.describe_cluster,
         }
 
-    async def create_partitions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def create_partitions(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         results = []
         for t in req["topics"]:
             r = {"name": t["name"], "error_code": 0, "error_message": None}
@@ -58,7 +58,7 @@ class AdminApi:
         return {"throttle_time_ms": 0, "results": results}
 
     # ---------------------------------------------------------------- configs
-    async def describe_configs(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def describe_configs(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         results = []
         for res in req["resources"]:
             r: dict[str, Any] = {"error_code": 0, "error_message": None, "resource_type": res["resource_type"],
@@ -103,11 +103,11 @@ class AdminApi:
                 "socket.request.max.bytes": str(cfg.max_request_bytes), "log.segment.bytes": str(cfg.segment_bytes),
                 "group.initial.rebalance.delay.ms": str(cfg.group_initial_rebalance_delay_ms)}
 
-    async def alter_configs(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def alter_configs(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         """Non-incremental: the given set replaces the topic's configs."""
         return await self._alter(hdr, req, lambda current, configs: {c["name"]: c["value"] for c in configs})
 
-    async def incremental_alter_configs(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def incremental_alter_configs(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         def apply(current: dict[str, str], configs: list[dict[str, Any]]) -> dict[str, str]:
             out = dict(current)
             for c in configs:
@@ -125,7 +125,7 @@ class AdminApi:
             return out
         return await self._alter(hdr, req, apply)
 
-    def _refused(self, hdr: RequestHeader, op: Operation, res: dict[str, Any]) -> tuple[ErrorCode, str] | None:
+    def _refused(self, hdr: RequestContext, op: Operation, res: dict[str, Any]) -> tuple[ErrorCode, str] | None:
         """The error for a config resource this principal may not use (None: allowed)."""
         if res["resource_type"] == RESOURCE_BROKER:
             if not self.access.allowed(hdr, op, ResourceType.CLUSTER, CLUSTER):
@@ -135,7 +135,7 @@ class AdminApi:
             return ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not {op.name} this topic"
         return None
 
-    async def _alter(self, hdr: RequestHeader, req: dict[str, Any], apply: Any) -> dict[str, Any]:
+    async def _alter(self, hdr: RequestContext, req: dict[str, Any], apply: Any) -> dict[str, Any]:
         out = []
         for res in req["resources"]:
             r = {"error_code": 0, "error_message": None, "resource_type": res["resource_type"],
@@ -166,7 +166,7 @@ class AdminApi:
         return {"throttle_time_ms": 0, "responses": out}
 
     # ------------------------------------------------------------ the rest
-    async def offset_for_leader_epoch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def offset_for_leader_epoch(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         """Every batch is written with leader epoch 0, so epoch 0 ends at the
         high watermark; a client on a newer epoch is ahead of us."""
         topics = []
@@ -195,7 +195,7 @@ class AdminApi:
             topics.append({"topic": t["topic"], "partitions": parts})
         return {"throttle_time_ms": 0, "topics": topics}
 
-    async def describe_cluster(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def describe_cluster(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         if not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.CLUSTER, CLUSTER):
             return {"throttle_time_ms": 0, "error_code": ErrorCode.CLUSTER_AUTHORIZATION_FAILED,
                     "error_message": f"{hdr.principal} may not describe the cluster", "cluster_id": "",

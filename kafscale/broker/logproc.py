@@ -12,6 +12,7 @@ import weakref
 from typing import Any
 
 from kafscale.broker.broker import Broker
+from kafscale.broker.context import RequestContext
 from kafscale.broker.ipc import Channel
 from kafscale.broker.messages import (
     AclsChanged,
@@ -32,7 +33,6 @@ from kafscale.broker.server import ProtocolViolation, call_handler, parse_header
 from kafscale.broker.shm import RingTracker, SharedArea, SharedCache
 from kafscale.metadata.store import SegmentManifest, has_partition
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.framing import RequestHeader
 from kafscale.protocol.schemas import PRODUCE
 from kafscale.security.acl import AclBinding
 from kafscale.storage.partition import LogError, PartitionLog
@@ -102,8 +102,8 @@ class LogService:
         order = self._append_orders.get((worker, msg.conn))
         if order is None:
             order = self._append_orders[(worker, msg.conn)] = asyncio.Lock()
-        hdr = RequestHeader(PRODUCE.key, msg.version, 0, msg.client_id, False, msg.client_host, msg.principal,
-                            append_order=order)
+        hdr = RequestContext(PRODUCE.key, msg.version, 0, msg.client_id, False, msg.client_host, msg.principal,
+                             append_order=order)
         return await self.broker.produce_api.produce(hdr, req)
 
     def _accept(self, payload: RingPayload | RejectedPayload) -> Accepted | LogError:
@@ -115,8 +115,8 @@ class LogService:
     async def _frame(self, msg: Frame) -> FrameResult:
         try:
             view = memoryview(msg.frame)
-            hdr, body_at = parse_header(view)
-            hdr.client_host, hdr.principal = msg.client_host, msg.principal
+            wire, body_at = parse_header(view)
+            hdr = RequestContext.of(wire, client_host=msg.client_host, principal=msg.principal)
             chunks = await call_handler(self.broker.handlers, hdr, view, body_at)
         except ProtocolViolation as exc:
             return FrameResult(violation=str(exc))

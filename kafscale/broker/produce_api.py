@@ -10,13 +10,13 @@ from typing import Any
 
 from kafscale import _native
 from kafscale.broker.access import Access
+from kafscale.broker.context import RequestContext
 from kafscale.broker.partitions import PartitionRegistry
 from kafscale.config import Config
 from kafscale.metadata import topic_config
 from kafscale.metadata.store import MetaStore, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
-from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
 from kafscale.storage.partition import LogError
 
@@ -38,7 +38,7 @@ class ProduceApi:
             schemas.INIT_PRODUCER_ID.key: self.init_producer_id,
         }
 
-    async def produce(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any] | None:
+    async def produce(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any] | None:
         acks = req["acks"]
         results: list[tuple[dict[str, Any], asyncio.Future[int] | None]] = []
         responses = []
@@ -108,7 +108,7 @@ class ProduceApi:
             else:
                 r["base_offset"] = fut.result()
 
-    async def init_producer_id(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def init_producer_id(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         if req.get("transactional_id") is not None:
             return {"throttle_time_ms": 0, "error_code": ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
                     "producer_id": -1, "producer_epoch": -1}

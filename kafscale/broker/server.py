@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kafscale import metrics
+from kafscale.broker.context import RequestContext
 from kafscale.metadata.store import unavailable
 from kafscale.protocol.codec import DecodeError
 from kafscale.protocol.error_response import error_response, unavailable_code
@@ -79,10 +80,10 @@ class ByteBudget:
             if not fut.done():
                 fut.set_result(None)
 
-Handler = Callable[[RequestHeader, dict[str, Any]], Awaitable[dict[str, Any] | None]]
+Handler = Callable[[RequestContext, dict[str, Any]], Awaitable[dict[str, Any] | None]]
 # Answers a request this process has no handler for (a worker asks its log process).
-Forward = Callable[[RequestHeader, memoryview], Awaitable[list[Any] | None]]
-# The on_sent list of the request being handled (see RequestHeader.on_sent).
+Forward = Callable[[RequestContext, memoryview], Awaitable[list[Any] | None]]
+# The on_sent list of the request being handled (see RequestContext.on_sent).
 ON_SENT: contextvars.ContextVar[list[Callable[[], None]]] = contextvars.ContextVar("on_sent")
 
 
@@ -119,7 +120,7 @@ _SASL_APIS = (SASL_HANDSHAKE.key, SASL_AUTHENTICATE.key)
 _BEFORE_AUTH = (API_VERSIONS.key, *_SASL_APIS)
 
 
-async def call_handler(handlers: dict[int, Handler], hdr: RequestHeader, frame: memoryview, body_at: int
+async def call_handler(handlers: dict[int, Handler], hdr: RequestContext, frame: memoryview, body_at: int
                        ) -> list[Any] | None:
     """Decode a request body, run its handler, encode the response (None: no response)."""
     api = APIS[hdr.api_key]
@@ -225,7 +226,7 @@ class KafkaServer:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestHeader] | None] = asyncio.Queue(
+        queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestContext] | None] = asyncio.Queue(
             MAX_IN_FLIGHT)
         sender = asyncio.create_task(self._send_loop(queue, writer, conn, peer))
         session = Session(conn, peer, authenticated=self.sasl is None,
@@ -238,14 +239,14 @@ class KafkaServer:
                     break
                 try:
                     if session.raw_tokens:
-                        hdr = RequestHeader(SASL_AUTHENTICATE.key, 0, 0, None, False)
+                        hdr = RequestContext(SASL_AUTHENTICATE.key, 0, 0, None, False)
                         task = asyncio.create_task(self._raw_token(session, bytes(frame)))
                     else:
-                        hdr, body_at = parse_header(frame)
-                        if not session.authenticated and hdr.api_key not in _BEFORE_AUTH:
-                            raise ProtocolViolation(f"{APIS[hdr.api_key].name} request before SASL authentication")
-                        hdr.client_host, hdr.append_order = session.client_host, append_order
-                        hdr.principal = session.principal
+                        wire, body_at = parse_header(frame)
+                        if not session.authenticated and wire.api_key not in _BEFORE_AUTH:
+                            raise ProtocolViolation(f"{APIS[wire.api_key].name} request before SASL authentication")
+                        hdr = RequestContext.of(wire, client_host=session.client_host, principal=session.principal,
+                                                append_order=append_order)
                         task = asyncio.create_task(self._handle(hdr, frame, body_at))
                 except BaseException:
                     self.budget.give(len(frame))
@@ -319,7 +320,7 @@ class KafkaServer:
                 raise ProtocolViolation(f"truncated frame: {len(exc.partial)} of {size} bytes") from None
             raise
 
-    async def _handle(self, hdr: RequestHeader, frame: memoryview, body_at: int) -> list[Any] | None:
+    async def _handle(self, hdr: RequestContext, frame: memoryview, body_at: int) -> list[Any] | None:
         t = time.perf_counter()
         try:
             return await self._dispatch(hdr, frame, body_at)
@@ -328,11 +329,11 @@ class KafkaServer:
             count.inc()
             seconds.observe(time.perf_counter() - t)
 
-    async def _dispatch(self, hdr: RequestHeader, frame: memoryview, body_at: int) -> list[Any] | None:
+    async def _dispatch(self, hdr: RequestContext, frame: memoryview, body_at: int) -> list[Any] | None:
         ON_SENT.set(hdr.on_sent)
         if hdr.api_key == API_VERSIONS.key and not APIS[hdr.api_key].supports(hdr.api_version):
             # Answer in v0 with UNSUPPORTED_VERSION and our ranges; the client retries lower.
-            hdr = RequestHeader(hdr.api_key, 0, hdr.correlation_id, hdr.client_id, False)
+            hdr = RequestContext(hdr.api_key, 0, hdr.correlation_id, hdr.client_id, False, on_sent=hdr.on_sent)
             body = await self.handlers[API_VERSIONS.key](hdr, {})
             assert body is not None
             body["error_code"] = ErrorCode.UNSUPPORTED_VERSION
@@ -344,7 +345,7 @@ class KafkaServer:
         return await call_handler(self.handlers, hdr, frame, body_at)
 
     # ------------------------------------------------------------------ SASL
-    async def sasl_handshake(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def sasl_handshake(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         session = SESSION.get()
         offered = list(self.sasl.mechanisms) if self.sasl else []
         if req["mechanism"] == PROXY_MECHANISM and self.proxy_secret and hdr.api_version >= 1:
@@ -392,7 +393,7 @@ class KafkaServer:
             return None
         return [_SIZE.pack(len(answer)), answer]
 
-    async def sasl_authenticate(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def sasl_authenticate(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         session = SESSION.get()
         proxy_step = isinstance(session.exchange, ProxyIdentity) and not session.proxied
         if session.exchange is None or (session.authenticated and not proxy_step):
@@ -406,9 +407,9 @@ class KafkaServer:
                     "auth_bytes": b""}
         return {"error_code": 0, "error_message": None, "auth_bytes": token, "session_lifetime_ms": 0}
 
-    async def _send_loop(self, queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestHeader] | None],
+    async def _send_loop(self, queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestContext] | None],
                          writer: asyncio.StreamWriter, conn: int, peer: Any) -> None:
-        current: tuple[asyncio.Task[list[Any] | None], RequestHeader] | None = None
+        current: tuple[asyncio.Task[list[Any] | None], RequestContext] | None = None
         try:
             while True:
                 current = await queue.get()
@@ -471,7 +472,7 @@ def _request_metrics(api_key: int) -> tuple[Any, Any]:
 
 
 def run_on_sent(callbacks: list[Callable[[], None]]) -> None:
-    """Run and clear a request's on_sent callbacks (see RequestHeader.on_sent)."""
+    """Run and clear a request's on_sent callbacks (see RequestContext.on_sent)."""
     pending, callbacks[:] = list(callbacks), []
     for cb in pending:
         cb()

@@ -6,6 +6,7 @@ from typing import Any
 
 from kafscale.broker.access import Access
 from kafscale.broker.cluster import Cluster
+from kafscale.broker.context import RequestContext
 from kafscale.broker.partitions import PartitionRegistry
 from kafscale.config import Config
 from kafscale.metadata import topic_config
@@ -13,7 +14,6 @@ from kafscale.metadata.store import MetaStore, TopicExists, TopicMeta, has_parti
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.framing import RequestHeader
 from kafscale.protocol.types import EARLIEST, LATEST, MAX_TIMESTAMP
 from kafscale.security.acl import Operation, ResourceType
 from kafscale.storage.partition import LogError
@@ -53,7 +53,7 @@ class TopicApi:
     def _topic_error(code: ErrorCode, name: str | None, t: dict[str, Any]) -> dict[str, Any]:
         return {"error_code": code, "name": name, "topic_id": t.get("topic_id", bytes(16)), "partitions": []}
 
-    async def metadata(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def metadata(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         """Topics, partitions and leaders. While etcd is unreachable, answered
         from what this broker last read (leaders where they will be claimed)."""
         wanted = req.get("topics")
@@ -94,7 +94,7 @@ class TopicApi:
                 "controller_id": self.cfg.node_id, "topics": topics}
 
     # ------------------------------------------------------------ ListOffsets
-    async def list_offsets(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def list_offsets(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         topics = []
         for t in req["topics"]:
             meta = await self.partitions.topic(t["name"])
@@ -130,7 +130,7 @@ class TopicApi:
         return {"throttle_time_ms": 0, "topics": topics}
 
     # ----------------------------------------------------------- CreateTopics
-    async def create_topics(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def create_topics(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         out = []
         for t in req["topics"]:
             name = t["name"]
@@ -172,7 +172,7 @@ class TopicApi:
         return {"throttle_time_ms": 0, "topics": out}
 
     # ----------------------------------------------------------- DeleteTopics
-    async def delete_topics(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def delete_topics(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         wanted: list[tuple[str | None, bytes]] = [(n, bytes(16)) for n in req.get("topic_names") or []]
         wanted += [(t["name"], t["topic_id"]) for t in req.get("topics") or []]
         out = []

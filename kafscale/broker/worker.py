@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from kafscale import _native, metrics
+from kafscale.broker.context import RequestContext
 from kafscale.broker.ipc import Channel, ChannelClosed
 from kafscale.broker.messages import (
     AclsChanged,
@@ -43,7 +44,6 @@ from kafscale.config import Config
 from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import AclBinding, Authorizer, Operation, ResourceType
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectStore
@@ -186,10 +186,10 @@ class Worker:
             view.apply(max(ev.hw, view.hw), ev.log_start, ev.manifest, ev.ref)
 
     # ------------------------------------------------------------- requests
-    async def api_versions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def api_versions(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         return schemas.api_versions_response()
 
-    async def forward(self, hdr: RequestHeader, frame: memoryview) -> list[Any] | None:
+    async def forward(self, hdr: RequestContext, frame: memoryview) -> list[Any] | None:
         """Have the log process answer a request. A connection's forwarded
         requests take effect one at a time in the order it sent them, as on a
         Kafka broker: pipelined OffsetCommits must not race each other."""
@@ -203,7 +203,7 @@ class Worker:
             raise ProtocolViolation(result.violation)
         return None if result.response is None else [result.response]
 
-    async def produce(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any] | None:
+    async def produce(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any] | None:
         """Validate each payload and put it in the ring; the log process does
         the rest (in the order this connection sent them, since the call is
         sent before this coroutine first yields)."""
@@ -247,7 +247,7 @@ class Worker:
         return RingPayload(self.slot, start, n)
 
     # ---------------------------------------------------------------- Fetch
-    async def fetch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def fetch(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         deadline = time.monotonic() + req["max_wait_ms"] / 1000
         while True:
             changed = self._changed
@@ -294,11 +294,11 @@ class Worker:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{name}/{p} moved while it was opened")
         return view
 
-    def _authorize_read(self, hdr: RequestHeader, topic: str) -> None:
+    def _authorize_read(self, hdr: RequestContext, topic: str) -> None:
         if not self.authz.allows(hdr.principal, hdr.client_host, Operation.READ, ResourceType.TOPIC, topic):
             raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not read {topic}")
 
-    async def _fetch_once(self, hdr: RequestHeader, req: dict[str, Any]) -> tuple[list[dict[str, Any]], int, bool]:
+    async def _fetch_once(self, hdr: RequestContext, req: dict[str, Any]) -> tuple[list[dict[str, Any]], int, bool]:
         budget = req.get("max_bytes", 0x7FFFFFFF)
         total, errors = 0, False
         responses = []

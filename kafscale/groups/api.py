@@ -4,11 +4,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from kafscale.broker.context import RequestContext
 from kafscale.groups.coordinator import GroupCoordinator, GroupError, offset_record
 from kafscale.metadata.store import TopicMeta, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
-from kafscale.protocol.framing import RequestHeader
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
 
 if TYPE_CHECKING:
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 KEY_TYPE_GROUP = 0
 KEY_TYPE_TRANSACTION = 1
-Allowed = Callable[[RequestHeader, Operation, ResourceType, str], bool]
+Allowed = Callable[[RequestContext, Operation, ResourceType, str], bool]
 
 
 class GroupApi:
@@ -39,7 +39,7 @@ class GroupApi:
             schemas.DELETE_GROUPS.key: self.delete_groups,
         }
 
-    def _mine(self, hdr: RequestHeader, op: Operation, group_id: str) -> None:
+    def _mine(self, hdr: RequestContext, op: Operation, group_id: str) -> None:
         """The principal may do op on the group (else GROUP_AUTHORIZATION_FAILED), and
         this broker coordinates it: each group has one live coordinator, others
         answer NOT_COORDINATOR."""
@@ -48,7 +48,7 @@ class GroupApi:
         if self.cluster.coordinator_for(group_id) != self.cluster.me:
             raise GroupError(ErrorCode.NOT_COORDINATOR, f"group {group_id} is coordinated by another broker")
 
-    async def find_coordinator(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def find_coordinator(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         keys = req["coordinator_keys"] if hdr.api_version >= 4 else [req["key"]]
         found = []
         for key in keys:
@@ -71,12 +71,14 @@ class GroupApi:
                 host, port = self.cluster.address(node)
                 found.append({"key": key, "node_id": node, "host": host, "port": port, "error_code": 0,
                               "error_message": None})
+        if hdr.api_version >= 4:  # one answer per key
+            return {"throttle_time_ms": 0, "coordinators": found}
         first = found[0] if found else {"node_id": -1, "host": "", "port": -1, "error_code": 0,
                                         "error_message": None}
         return {"throttle_time_ms": 0, "error_code": first["error_code"], "error_message": first["error_message"],
-                "node_id": first["node_id"], "host": first["host"], "port": first["port"], "coordinators": found}
+                "node_id": first["node_id"], "host": first["host"], "port": first["port"]}
 
-    async def join_group(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def join_group(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         try:
             self._mine(hdr, Operation.READ, req["group_id"])
             return await self.coord.join(req, hdr.api_version, hdr.client_id or "", hdr.client_host)
@@ -84,14 +86,14 @@ class GroupApi:
             return {"throttle_time_ms": 0, "error_code": exc.code, "generation_id": -1, "protocol_type": None,
                     "protocol_name": None, "leader": "", "member_id": req["member_id"], "members": []}
 
-    async def sync_group(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def sync_group(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         try:
             self._mine(hdr, Operation.READ, req["group_id"])
             return await self.coord.sync(req)
         except GroupError as exc:
             return {"throttle_time_ms": 0, "error_code": exc.code, "assignment": b""}
 
-    async def heartbeat(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def heartbeat(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         try:
             self._mine(hdr, Operation.READ, req["group_id"])
             await self.coord.heartbeat(req)
@@ -99,7 +101,7 @@ class GroupApi:
         except GroupError as exc:
             return {"throttle_time_ms": 0, "error_code": exc.code}
 
-    async def leave_group(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def leave_group(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         if hdr.api_version >= 3:
             who = [(m["member_id"], m["group_instance_id"]) for m in req["members"]]
         else:
@@ -114,7 +116,7 @@ class GroupApi:
                 "members": [{"member_id": mid, "group_instance_id": inst, "error_code": code}
                             for (mid, inst), code in zip(who, codes, strict=True)]}
 
-    async def offset_commit(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def offset_commit(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         results: dict[tuple[str, int], ErrorCode] = {}
         offsets = {}
         group_ok = self.allowed(hdr, Operation.READ, ResourceType.GROUP, req["group_id"])
@@ -150,7 +152,7 @@ class GroupApi:
                                                 "error_code": results[(t["name"], p["partition_index"])]}
                                                for p in t["partitions"]]} for t in req["topics"]]}
 
-    async def _fetch_group(self, hdr: RequestHeader, group_id: str, topics: list[dict[str, Any]] | None
+    async def _fetch_group(self, hdr: RequestContext, group_id: str, topics: list[dict[str, Any]] | None
                            ) -> list[dict[str, Any]]:
         self._mine(hdr, Operation.DESCRIBE, group_id)
         committed = await self.coord.fetch_offsets(group_id)
@@ -174,7 +176,7 @@ class GroupApi:
             out.append({"name": name, "partitions": rows})
         return out
 
-    async def offset_fetch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def offset_fetch(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         if hdr.api_version >= 8:
             groups = []
             for g in req["groups"]:
@@ -190,7 +192,7 @@ class GroupApi:
         except GroupError as exc:
             return {"throttle_time_ms": 0, "error_code": exc.code, "topics": []}
 
-    async def describe_groups(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def describe_groups(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         out = []
         for g in req["groups"]:
             try:
@@ -201,7 +203,7 @@ class GroupApi:
                             "protocol_data": "", "members": []})
         return {"throttle_time_ms": 0, "groups": out}
 
-    async def list_groups(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def list_groups(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         states = {s.lower() for s in req.get("states_filter") or []}
         types = {t.lower() for t in req.get("types_filter") or []}
         every = self.allowed(hdr, Operation.DESCRIBE, ResourceType.CLUSTER, CLUSTER)
@@ -212,7 +214,7 @@ class GroupApi:
                   and (not states or st.lower() in states) and (not types or "classic" in types)]
         return {"throttle_time_ms": 0, "error_code": 0, "groups": groups}
 
-    async def delete_groups(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def delete_groups(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         results = []
         for g in req["groups_names"]:
             try:

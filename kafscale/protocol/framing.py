@@ -6,10 +6,8 @@ and, for flexible versions, v2 (plus tagged fields). Responses carry v0
 ApiVersions response always uses v0 so that any client can read it."""
 from __future__ import annotations
 
-import asyncio
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kafscale.protocol.codec import DecodeError, Reader, Writer
@@ -22,20 +20,12 @@ MAX_FRAME = 100 * 1024 * 1024  # socket.request.max.bytes in Kafka
 
 @dataclass
 class RequestHeader:
+    """A request header's wire fields (header v1/v2 without the tagged fields)."""
     api_key: int
     api_version: int
     correlation_id: int
     client_id: str | None
     flexible: bool
-    client_host: str = ""
-    principal: str = "User:ANONYMOUS"  # who the connection authenticated as (SASL)
-    # One per connection: Kafka handles a connection's requests one at a time,
-    # so clients rely on pipelined produces being appended, and other requests
-    # taking effect, in send order.
-    append_order: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Run once the response has been handed to the socket (or dropped): a
-    # worker unpins the shared-memory segments the response points into.
-    on_sent: list[Callable[[], None]] = field(default_factory=list)
 
 
 def parse_request_header(frame: memoryview) -> tuple[RequestHeader, int]:

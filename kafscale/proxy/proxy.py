@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafscale.broker.cluster import Cluster
+from kafscale.broker.context import RequestContext
 from kafscale.broker.server import SESSION, Handler
 from kafscale.config import Config
 from kafscale.lifecycle import stop_on_signals
 from kafscale.metadata.store import MetaStore
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.framing import RequestHeader
 from kafscale.proxy.upstream import Upstream, UpstreamError
 from kafscale.security.sasl import ProxyIdentity
 
@@ -138,7 +138,7 @@ class Proxy:
         for u in self.upstreams.pop(conn, {}).values():
             await u.close()
 
-    def _timeout_s(self, hdr: RequestHeader, body: dict[str, Any]) -> float:
+    def _timeout_s(self, hdr: RequestContext, body: dict[str, Any]) -> float:
         """How long a broker may take: what the request itself may wait, plus
         proxy_upstream_timeout_s."""
         wait_ms = {schemas.FETCH.key: body.get("max_wait_ms", 0), schemas.PRODUCE.key: body.get("timeout_ms", 0),
@@ -149,7 +149,7 @@ class Proxy:
     def _owner(self, topic: str, p: int) -> int:
         return self.cluster.leader(topic, p, self.owners.get((topic, p)))
 
-    async def _send_any(self, hdr: RequestHeader, body: dict[str, Any]) -> dict[str, Any]:
+    async def _send_any(self, hdr: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
         """Send to a live broker; one that fails (dead but its lease not yet
         expired) is skipped for the next. Every broker failing raises the last
         error, which the client gets as a retriable error code."""
@@ -170,24 +170,24 @@ class Proxy:
             self._refresh_now = asyncio.create_task(self.refresh())
             self._refresh_now.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def _send(self, broker: int, hdr: RequestHeader, body: dict[str, Any], expect_reply: bool = True
+    async def _send(self, broker: int, hdr: RequestContext, body: dict[str, Any], expect_reply: bool = True
                     ) -> dict[str, Any] | None:
         upstream = await self._upstream(broker)
         return await upstream.request(hdr.api_key, hdr.api_version, body, expect_reply, hdr.client_id,
                                       self._timeout_s(hdr, body))
 
     # -------------------------------------------------------------- handlers
-    async def api_versions(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def api_versions(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         return schemas.api_versions_response()
 
     def _me(self) -> dict[str, Any]:
         host, port = self.cfg.advertised_addr()
         return {"node_id": self.node_id, "host": host, "port": port, "rack": None}
 
-    async def _forward_any(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any] | None:
+    async def _forward_any(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any] | None:
         return await self._send_any(hdr, req)
 
-    async def _metadata(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def _metadata(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         resp = await self._send_any(hdr, req)
         resp["brokers"], resp["controller_id"] = [self._me()], self.node_id
         for t in resp["topics"]:
@@ -195,14 +195,14 @@ class Proxy:
                 p["leader_id"], p["replica_nodes"], p["isr_nodes"] = self.node_id, [self.node_id], [self.node_id]
         return resp
 
-    async def _describe_cluster(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def _describe_cluster(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         resp = await self._send_any(hdr, req)
         me = self._me()
         resp["brokers"] = [{"broker_id": me["node_id"], "host": me["host"], "port": me["port"], "rack": None}]
         resp["controller_id"] = self.node_id
         return resp
 
-    async def _find_coordinator(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def _find_coordinator(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         resp = await self._send_any(hdr, req)
         me = self._me()
         for c in [resp, *resp.get("coordinators", [])]:
@@ -210,7 +210,7 @@ class Proxy:
                 c["node_id"], c["host"], c["port"] = me["node_id"], me["host"], me["port"]
         return resp
 
-    async def _partitioned(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any] | None:
+    async def _partitioned(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any] | None:
         spec = PARTITIONED[hdr.api_key]
         by_broker: dict[int, dict[int, dict[str, Any]]] = {}  # broker -> request topic entry -> its share
         for t in req[spec.topics]:
@@ -255,7 +255,7 @@ class Proxy:
                            "topic_id": t.get("topic_id", bytes(16)), spec.resp_parts: parts})
         return {spec.resp_topics: topics, "throttle_time_ms": 0}
 
-    async def _to_coordinator(self, group: str, hdr: RequestHeader, body: dict[str, Any]) -> dict[str, Any]:
+    async def _to_coordinator(self, group: str, hdr: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
         """Send to the group's coordinator; if it fails, the client gets
         COORDINATOR_NOT_AVAILABLE (from the server's error handling) and looks
         for the coordinator again."""
@@ -267,10 +267,10 @@ class Proxy:
             self._refresh_soon()
             raise
 
-    async def _group_keyed(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def _group_keyed(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         return await self._to_coordinator(req["group_id"], hdr, req)
 
-    async def _offset_fetch(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def _offset_fetch(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         if hdr.api_version < 8:
             return await self._to_coordinator(req["group_id"], hdr, req)
         groups = []
@@ -280,7 +280,7 @@ class Proxy:
         return {"throttle_time_ms": 0, "groups": groups}
 
     def _per_group(self, field: str, resp_field: str, id_key: str) -> Callable[..., Awaitable[dict[str, Any]]]:
-        async def handler(hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+        async def handler(hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
             out = []
             for g in req[field]:
                 resp = await self._to_coordinator(g, hdr, {**req, field: [g]})
@@ -288,7 +288,7 @@ class Proxy:
             return {"throttle_time_ms": 0, resp_field: out}
         return handler
 
-    async def _list_groups(self, hdr: RequestHeader, req: dict[str, Any]) -> dict[str, Any]:
+    async def _list_groups(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         resps = await asyncio.gather(*(self._send(b, hdr, req) for b in list(self.cluster.brokers)),
                                      return_exceptions=True)
         groups = [g for r in resps if isinstance(r, dict) for g in r["groups"]]

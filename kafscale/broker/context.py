@@ -1,0 +1,27 @@
+"""A request being served: its wire header (protocol/framing.py) and what the
+server knows of it besides, which handlers and the log process use."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafscale.protocol.framing import RequestHeader
+
+
+@dataclass
+class RequestContext(RequestHeader):
+    client_host: str = ""
+    principal: str = "User:ANONYMOUS"  # who the connection authenticated as (SASL)
+    # One per connection: Kafka handles a connection's requests one at a time,
+    # so clients rely on pipelined produces being appended, and other requests
+    # taking effect, in send order.
+    append_order: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Run once the response has been handed to the socket (or dropped): a
+    # worker unpins the shared-memory segments the response points into.
+    on_sent: list[Callable[[], None]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, hdr: RequestHeader, **known: Any) -> RequestContext:
+        return cls(hdr.api_key, hdr.api_version, hdr.correlation_id, hdr.client_id, hdr.flexible, **known)
