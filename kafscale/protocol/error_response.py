@@ -30,6 +30,11 @@ _ALIASES = {
 }
 
 
+# offsets, watermarks, timestamps and epochs are unknown in an error: -1, as Kafka answers
+_UNKNOWN = frozenset({"base_offset", "high_watermark", "last_stable_offset", "log_start_offset", "offset",
+                      "timestamp", "end_offset", "log_append_time_ms", "committed_offset", "leader_epoch",
+                      "committed_leader_epoch"})
+
 _GROUP_APIS = {a.key for a in (schemas.FIND_COORDINATOR, schemas.JOIN_GROUP, schemas.SYNC_GROUP, schemas.HEARTBEAT,
                                 schemas.LEAVE_GROUP, schemas.OFFSET_COMMIT, schemas.OFFSET_FETCH,
                                 schemas.DESCRIBE_GROUPS, schemas.LIST_GROUPS, schemas.DELETE_GROUPS)}
@@ -58,6 +63,8 @@ def _struct(fields: list[Field], version: int, req: Any, code: int, message: str
             continue
         if f.name == "error_code":
             out[f.name] = code
+        elif f.name in _UNKNOWN and f.type in ("int32", "int64"):
+            out[f.name] = -1
         elif f.name == "error_message" and f.type == "string":
             out[f.name] = message
         elif f.type == "array" and f.fields:

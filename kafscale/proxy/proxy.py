@@ -22,6 +22,7 @@ from kafscale.config import Config
 from kafscale.lifecycle import stop_on_signals
 from kafscale.metadata.store import MetaStore
 from kafscale.protocol import schemas
+from kafscale.protocol.error_response import error_response
 from kafscale.protocol.errors import ErrorCode
 from kafscale.proxy.upstream import Upstream, UpstreamError
 from kafscale.security.sasl import ProxyIdentity
@@ -38,7 +39,6 @@ class PartitionedApi:
     part_key: str
     resp_topics: str
     resp_parts: str
-    error: str = "error_code"
 
 
 PARTITIONED = {
@@ -229,7 +229,8 @@ class Proxy:
         for (broker, body), resp in zip(sub.items(), results, strict=True):
             if isinstance(resp, BaseException):  # that broker is gone: clients retry after a metadata refresh
                 log.info("proxy: broker %d failed (%s); answering NOT_LEADER_OR_FOLLOWER", broker, resp)
-                resp = self._error_response(spec, body, ErrorCode.NOT_LEADER_OR_FOLLOWER)
+                resp = error_response(schemas.APIS[hdr.api_key], hdr.api_version, body,
+                                      ErrorCode.NOT_LEADER_OR_FOLLOWER, f"broker {broker} did not answer")
                 self._refresh_soon()
             out.update({k: v for k, v in resp.items() if k != spec.resp_topics})
             for t in resp[spec.resp_topics]:
@@ -242,18 +243,6 @@ class Proxy:
         if "error_code" in out and hdr.api_key == schemas.FETCH.key:
             out["error_code"], out["session_id"] = 0, 0
         return out
-
-    @staticmethod
-    def _error_response(spec: PartitionedApi, body: dict[str, Any], code: ErrorCode) -> dict[str, Any]:
-        """A response that fails every partition of `body` with `code`."""
-        topics = []
-        for t in body[spec.topics]:
-            parts = [{"index": p[spec.part_key], "partition_index": p[spec.part_key], "partition": p[spec.part_key],
-                      spec.error: code, "base_offset": -1, "high_watermark": -1, "records": b"", "offset": -1,
-                      "timestamp": -1, "end_offset": -1} for p in t[spec.parts]]
-            topics.append({"name": t.get(spec.topic_key, ""), "topic": t.get(spec.topic_key, ""),
-                           "topic_id": t.get("topic_id", bytes(16)), spec.resp_parts: parts})
-        return {spec.resp_topics: topics, "throttle_time_ms": 0}
 
     async def _to_coordinator(self, group: str, hdr: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
         """Send to the group's coordinator; if it fails, the client gets

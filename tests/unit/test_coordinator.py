@@ -1,0 +1,117 @@
+"""The group coordinator's state machine (groups/coordinator.py) on the
+in-memory etcd twin: join with a required member id, one generation for all
+members, the leader's assignment handed out and saved, a restarted
+coordinator carrying on from etcd without a rebalance, a leave forcing the
+others to rejoin, an expired session, and a save that fails."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kafscale.groups.coordinator import COMPLETING, EMPTY, STABLE, GroupCoordinator, GroupError
+from kafscale.metadata.memory import MemoryEtcd
+from kafscale.metadata.store import MetaStore
+from kafscale.protocol.errors import ErrorCode
+
+GROUP = "g"
+
+
+def join_req(member_id: str = "", session_ms: int = 10_000) -> dict:
+    return {"group_id": GROUP, "session_timeout_ms": session_ms, "rebalance_timeout_ms": 5_000,
+            "member_id": member_id, "group_instance_id": None, "protocol_type": "consumer",
+            "protocols": [{"name": "range", "metadata": b"sub"}]}
+
+
+async def join(coord: GroupCoordinator, client: str, session_ms: int = 10_000) -> dict:
+    """A v4+ join: the first answer asks for the member id, the second joins."""
+    first = await coord.join(join_req(session_ms=session_ms), 9, client, "/127.0.0.1")
+    assert first["error_code"] == ErrorCode.MEMBER_ID_REQUIRED and first["member_id"].startswith(client)
+    return await coord.join(join_req(first["member_id"], session_ms), 9, client, "/127.0.0.1")
+
+
+async def form_group(coord: GroupCoordinator) -> tuple[dict, dict]:
+    a, b = await asyncio.gather(join(coord, "a"), join(coord, "b"))
+    assert a["generation_id"] == b["generation_id"] == 1 and a["leader"] == b["leader"]
+    leader, other = (a, b) if a["leader"] == a["member_id"] else (b, a)
+    assert {m["member_id"] for m in leader["members"]} == {a["member_id"], b["member_id"]} and other["members"] == []
+    assignments = [{"member_id": leader["member_id"], "assignment": b"p0"},
+                   {"member_id": other["member_id"], "assignment": b"p1"}]
+
+    def sync(resp: dict, given: list) -> dict:
+        return {"group_id": GROUP, "generation_id": 1, "member_id": resp["member_id"], "assignments": given}
+
+    got = await asyncio.gather(coord.sync(sync(leader, assignments)), coord.sync(sync(other, [])))
+    assert [r["assignment"] for r in got] == [b"p0", b"p1"]
+    return leader, other
+
+
+def run(coro):
+    async def go():
+        try:
+            return await asyncio.wait_for(coro, 30)
+        finally:
+            for t in asyncio.all_tasks() - {asyncio.current_task()}:
+                t.cancel()
+
+    return asyncio.run(go())
+
+
+def test_a_group_forms_and_a_restarted_coordinator_carries_on_without_rebalancing():
+    async def go():
+        meta = MetaStore.in_memory()
+        coord = GroupCoordinator(meta, initial_rebalance_delay_ms=300)  # both join within the delay
+        _leader, other = await form_group(coord)
+        assert coord.groups[GROUP].state == STABLE
+        await asyncio.sleep(0.05)
+        saved = await meta.load_group(GROUP)
+        assert saved["generation"] == 1 and len(saved["members"]) == 2
+        successor = GroupCoordinator(meta, initial_rebalance_delay_ms=0)  # another broker, same etcd
+        await successor.heartbeat({"group_id": GROUP, "generation_id": 1, "member_id": other["member_id"]})
+        assert successor.groups[GROUP].state == STABLE and successor.groups[GROUP].generation == 1
+
+    run(go())
+
+
+def test_a_leave_makes_the_others_rejoin_in_a_new_generation():
+    async def go():
+        coord = GroupCoordinator(MetaStore.in_memory(), initial_rebalance_delay_ms=300)
+        leader, other = await form_group(coord)
+        assert await coord.leave(GROUP, [(leader["member_id"], None)]) == [ErrorCode.NONE]
+        with pytest.raises(GroupError) as err:
+            await coord.heartbeat({"group_id": GROUP, "generation_id": 1, "member_id": other["member_id"]})
+        assert err.value.code == ErrorCode.REBALANCE_IN_PROGRESS
+        again = await coord.join(join_req(other["member_id"]), 9, "b", "/127.0.0.1")
+        assert again["generation_id"] == 2 and again["leader"] == other["member_id"]
+        assert coord.groups[GROUP].state == COMPLETING
+
+    run(go())
+
+
+def test_an_expired_session_removes_the_member():
+    async def go():
+        coord = GroupCoordinator(MetaStore.in_memory(), initial_rebalance_delay_ms=0)
+        await coord.start()
+        joined = await join(coord, "a", session_ms=1_000)
+        await coord.sync({"group_id": GROUP, "generation_id": 1, "member_id": joined["member_id"],
+                          "assignments": [{"member_id": joined["member_id"], "assignment": b"all"}]})
+        await asyncio.sleep(1.6)  # no heartbeat
+        assert coord.groups[GROUP].state == EMPTY and not coord.groups[GROUP].members
+        await coord.close()
+
+    run(go())
+
+
+def test_an_assignment_that_cannot_be_saved_is_not_handed_out():
+    async def go():
+        etcd = MemoryEtcd()
+        coord = GroupCoordinator(MetaStore.in_memory(etcd=etcd), initial_rebalance_delay_ms=0)
+        joined = await join(coord, "a")
+        etcd.down = True
+        with pytest.raises(GroupError) as err:
+            await coord.sync({"group_id": GROUP, "generation_id": 1, "member_id": joined["member_id"],
+                              "assignments": [{"member_id": joined["member_id"], "assignment": b"all"}]})
+        assert err.value.code == ErrorCode.COORDINATOR_NOT_AVAILABLE
+        assert coord.groups[GROUP].state != STABLE
+
+    run(go())
