@@ -2,12 +2,15 @@
 and KafScale brokers run as real `kafscale broker` processes on free ports."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +43,8 @@ class BrokerProcess:
         self.stack = stack
         self.port = free_port()
         self.cluster = cluster
-        self.config = config
+        # every broker serves /readyz: it is up once that says so (see _ready)
+        self.config = {"admin_listen": f"127.0.0.1:{free_port()}", **config} if command == "broker" else config
         self.logfile = logdir / f"{command}-{cluster}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -63,11 +67,23 @@ class BrokerProcess:
         return env
 
     def _ready(self, ready_lines: int) -> bool:
-        """A broker is up once its supervisor reports every worker listening; a proxy when it accepts."""
-        if self.command == "broker":
-            return self.log().count(_READY) > ready_lines
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", self.port)) == 0
+        """A broker is up once its supervisor reports every worker listening and
+        its /readyz answers (etcd, S3, registration and the Kafka listener ok;
+        a broker restarted while marked draining is up without that check); a
+        proxy when it accepts."""
+        if self.command != "broker":
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", self.port)) == 0
+        if self.log().count(_READY) <= ready_lines:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://{self.config['admin_listen']}/readyz", timeout=5) as r:
+                return r.status == 200
+        except urllib.error.HTTPError as exc:
+            failing = {k for k, v in json.loads(exc.read()).get("checks", {}).items() if v != "ok"}
+            return failing == {"draining"}
+        except OSError:
+            return False
 
     def start(self) -> BrokerProcess:
         ready_lines = self.log().count(_READY)

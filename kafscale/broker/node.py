@@ -65,7 +65,13 @@ class BrokerNode:
             if self.cfg.node_id in await self.meta.draining():
                 raise RuntimeError("draining")
 
-        return {"etcd": self.meta.ping, "s3": self.store.ping, "registered": registered, "draining": not_draining}
+        async def kafka_listening() -> None:  # the workers (forked after this process is up) accept
+            host, port = self.cfg.listen_addr()
+            _, writer = await asyncio.open_connection("127.0.0.1" if host in ("", "0.0.0.0") else host, port)
+            writer.close()
+
+        return {"etcd": self.meta.ping, "s3": self.store.ping, "registered": registered, "draining": not_draining,
+                "kafka": kafka_listening}
 
     async def _register(self) -> float:
         """Register on a new lease; returns until when (monotonic) it surely lives."""

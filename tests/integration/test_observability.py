@@ -75,7 +75,8 @@ def test_metrics_merge_every_process_and_report_group_lag(make_broker, topic_nam
     assert status == 200 and json.loads(body)["status"] == "ok"
     status, body = get(f"http://{admin}/readyz")
     assert status == 200, body
-    assert json.loads(body)["checks"] == {"etcd": "ok", "s3": "ok", "registered": "ok", "draining": "ok"}
+    assert json.loads(body)["checks"] == {"etcd": "ok", "s3": "ok", "registered": "ok", "draining": "ok",
+                                          "kafka": "ok"}
 
     env = b.env()
     subprocess.run([sys.executable, "-m", "kafscale.cli", "broker", "drain", "1"], env=env, check=True,
