@@ -18,6 +18,7 @@ from kafscale.metadata import topic_config
 from kafscale.metadata.store import MetaStore, SegmentManifest, TopicCache, TopicExists, TopicMeta
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.types import TopicPartition
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
@@ -36,8 +37,8 @@ class PartitionRegistry:
         self.read_budget = ReadBudget(cfg.readahead_memory_bytes)
         # told when a partition log commits a segment, moves its start or closes
         self.on_change: Callable[[PartitionLog, SegmentManifest | None], None] = lambda lg, m: None
-        self.logs: dict[tuple[str, int], PartitionLog] = {}
-        self._opening: dict[tuple[str, int], asyncio.Future[PartitionLog]] = {}
+        self.logs: dict[TopicPartition, PartitionLog] = {}
+        self._opening: dict[TopicPartition, asyncio.Future[PartitionLog]] = {}
         self.topics = TopicCache()
         self.lease: Any = None  # our etcd lease: partition ownership hangs on it
         self.closing = False  # shutting down: no partition is opened any more
@@ -89,7 +90,7 @@ class PartitionRegistry:
 
     # ------------------------------------------------------------------- logs
     async def partition_log(self, topic: str, p: int) -> PartitionLog:
-        key = (topic, p)
+        key = TopicPartition(topic, p)
         lg = self.logs.get(key)
         if lg is not None and not lg.closed:
             return lg

@@ -31,6 +31,7 @@ import aetcd
 from aetcd.utils import prefix_range_end
 
 from kafscale.metadata.etcd_client import EtcdClient
+from kafscale.protocol.types import TopicPartition
 from kafscale.security.acl import AclBinding
 
 
@@ -395,23 +396,23 @@ class MetaStore:
                                          [tx.put(self.k("segments", topic, p, f"{manifest.base:020d}"),
                                                  manifest.to_json())])
 
-    async def segment_counts(self) -> dict[tuple[str, int], int]:
+    async def segment_counts(self) -> dict[TopicPartition, int]:
         """Committed segments per partition of every topic (keys only, one paged scan)."""
         base = self.k("segments", "")
-        out: dict[tuple[str, int], int] = {}
+        out: dict[TopicPartition, int] = {}
         async for kv in self.scan(base, keys_only=True):
             topic, p, _ = kv.key[len(base):].decode().split("/", 2)
-            key = (name_of(topic), int(p))
+            key = TopicPartition(name_of(topic), int(p))
             out[key] = out.get(key, 0) + 1
         return out
 
-    async def partition_states(self) -> dict[tuple[str, int], PartitionState]:
+    async def partition_states(self) -> dict[TopicPartition, PartitionState]:
         """The state of every partition ever claimed (one paged scan)."""
         base = self.k("partitions", "")
         out = {}
         async for kv in self.scan(base):
             topic, _, p = kv.key[len(base):].decode().rpartition("/")
-            out[(name_of(topic), int(p))] = PartitionState(**json.loads(kv.value))
+            out[TopicPartition(name_of(topic), int(p))] = PartitionState(**json.loads(kv.value))
         return out
 
     async def list_segments(self, topic: str, p: int) -> list[SegmentManifest]:
@@ -427,19 +428,19 @@ class MetaStore:
         for i in range(0, len(ops), TXN_MAX_OPS):
             await self.client.transaction(compare=[], success=ops[i:i + TXN_MAX_OPS], failure=[])
 
-    async def commit_offsets(self, group: str, offsets: dict[tuple[str, int], dict[str, Any]]) -> None:
+    async def commit_offsets(self, group: str, offsets: dict[TopicPartition, dict[str, Any]]) -> None:
         """Write a group's committed offsets: atomically up to TXN_MAX_OPS
         partitions (a commit of more is written in that many per transaction)."""
         tx = self.client.transactions
         await self._write_all([tx.put(self.k("offsets", group, t, p), json.dumps(v).encode())
                                for (t, p), v in offsets.items()])
 
-    async def fetch_offsets(self, group: str) -> dict[tuple[str, int], dict[str, Any]]:
+    async def fetch_offsets(self, group: str) -> dict[TopicPartition, dict[str, Any]]:
         base = self.k("offsets", group, "")
         out = {}
         async for kv in self.scan(base):
             topic, _, p = kv.key[len(base):].decode().rpartition("/")
-            out[(name_of(topic), int(p))] = json.loads(kv.value)
+            out[TopicPartition(name_of(topic), int(p))] = json.loads(kv.value)
         return out
 
     async def delete_offsets(self, group: str, topic: str | None = None) -> None:
@@ -501,12 +502,12 @@ class MetaStore:
         await self.client.transaction(compare=[tx.value(key) == str(broker_id).encode()],
                                       success=[tx.delete(key)], failure=[])
 
-    async def owners(self) -> dict[tuple[str, int], int]:
+    async def owners(self) -> dict[TopicPartition, int]:
         base = self.k("owners", "")
         out = {}
         async for kv in self.scan(base):
             topic, _, p = kv.key[len(base):].decode().rpartition("/")
-            out[(name_of(topic), int(p))] = int(kv.value)
+            out[TopicPartition(name_of(topic), int(p))] = int(kv.value)
         return out
 
     async def owner_of(self, topic: str, p: int) -> int | None:
