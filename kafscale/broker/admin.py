@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kafscale.broker.access import Access
 from kafscale.broker.context import RequestContext
-from kafscale.broker.partitions import PartitionRegistry
-from kafscale.config import Config
+from kafscale.broker.partitions import PartitionApi
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import MetaStore, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
@@ -21,20 +18,15 @@ OP_SET, OP_DELETE, OP_APPEND, OP_SUBTRACT = 0, 1, 2, 3
 MAX_PARTITIONS = 10000
 
 
-class AdminApi:
-    def __init__(self, cfg: Config, meta: MetaStore, partitions: PartitionRegistry, access: Access) -> None:
-        self.cfg = cfg
-        self.meta = meta
-        self.partitions = partitions
-        self.access = access
-        self.handlers = {
-            schemas.CREATE_PARTITIONS.key: self.create_partitions,
-            schemas.DESCRIBE_CONFIGS.key: self.describe_configs,
-            schemas.ALTER_CONFIGS.key: self.alter_configs,
-            schemas.INCREMENTAL_ALTER_CONFIGS.key: self.incremental_alter_configs,
-            schemas.OFFSET_FOR_LEADER_EPOCH.key: self.offset_for_leader_epoch,
-            schemas.DESCRIBE_CLUSTER.key: self.describe_cluster,
-        }
+class AdminApi(PartitionApi):
+    ROUTES = {
+        schemas.CREATE_PARTITIONS.key: "create_partitions",
+        schemas.DESCRIBE_CONFIGS.key: "describe_configs",
+        schemas.ALTER_CONFIGS.key: "alter_configs",
+        schemas.INCREMENTAL_ALTER_CONFIGS.key: "incremental_alter_configs",
+        schemas.OFFSET_FOR_LEADER_EPOCH.key: "offset_for_leader_epoch",
+        schemas.DESCRIBE_CLUSTER.key: "describe_cluster",
+    }
 
     async def create_partitions(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         results = []
@@ -176,11 +168,8 @@ class AdminApi:
             for p in t["partitions"]:
                 r = {"error_code": 0, "partition": p["partition"], "leader_epoch": -1, "end_offset": -1}
                 parts.append(r)
-                if not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, t["topic"]):
-                    r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
-                    continue
-                if not has_partition(meta, p["partition"]):
-                    r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+                r["error_code"] = self.describe_refusal(hdr, t["topic"], meta, p["partition"])
+                if r["error_code"] or meta is None:
                     continue
                 if p["current_leader_epoch"] > 0:
                     r["error_code"] = ErrorCode.UNKNOWN_LEADER_EPOCH

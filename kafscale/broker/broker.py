@@ -40,7 +40,7 @@ class Broker:
                                        lambda: time.monotonic() < self.lease_until)
         self.produce_api = ProduceApi(cfg, meta, self.partitions, self.access)
         self.handlers: dict[int, Handler] = {}
-        for api in (TopicApi(cfg, meta, self.partitions, self.access, self.cluster), self.produce_api,
+        for api in (TopicApi(cfg, meta, self.partitions, self.access), self.produce_api,
                     GroupApi(self.groups, self.cluster, self.partitions.topic, self.access.allowed),
                     AdminApi(cfg, meta, self.partitions, self.access), AclApi(meta, self.access)):
             self.handlers.update(api.handlers)

@@ -11,23 +11,10 @@ import logging
 import weakref
 from typing import Any
 
+from kafscale.broker import messages
 from kafscale.broker.broker import Broker
 from kafscale.broker.context import RequestContext
 from kafscale.broker.ipc import Channel
-from kafscale.broker.messages import (
-    AclsChanged,
-    Frame,
-    FrameResult,
-    GetUser,
-    Hello,
-    OpenView,
-    PartitionChanged,
-    PartitionSnapshot,
-    Produce,
-    RejectedPayload,
-    RingPayload,
-    ViewRefused,
-)
 from kafscale.broker.produce_api import Accepted
 from kafscale.broker.server import ProtocolViolation, call_handler, parse_header
 from kafscale.broker.shm import RingTracker, SharedArea, SharedCache
@@ -66,15 +53,16 @@ class LogService:
             await asyncio.wait(self._conn_tasks, timeout=5)
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        async def hello(_msg: Hello) -> list[bytes]:
+        async def hello(_msg: messages.Hello) -> list[bytes]:
             self.channels.add(ch)
             return [a.to_json() for a in self.broker.access.authz.acls]
 
-        async def get_user(msg: GetUser) -> dict[str, Any] | None:
+        async def get_user(msg: messages.GetUser) -> dict[str, Any] | None:
             return await self.broker.meta.get_user(msg.name)
 
-        calls: dict[type, Any] = {Hello: hello, Produce: lambda msg: self._produce(id(ch), msg),
-                                  Frame: self._frame, OpenView: self._view, GetUser: get_user}
+        calls: dict[type, Any] = {
+            messages.Hello: hello, messages.Produce: lambda msg: self._produce(id(ch), msg),
+            messages.Frame: self._frame, messages.OpenView: self._view, messages.GetUser: get_user}
 
         async def on_call(msg: Any) -> Any:
             return await calls[type(msg)](msg)
@@ -90,7 +78,7 @@ class LogService:
             self._conn_tasks.discard(task)
 
     # ------------------------------------------------------------------ calls
-    async def _produce(self, worker: int, msg: Produce) -> dict[str, Any] | None:
+    async def _produce(self, worker: int, msg: messages.Produce) -> dict[str, Any] | None:
         """A connection's produces are appended in the order it sent them (calls
         start in arrival order and take its lock first thing); other
         connections' produces do not wait for them, even while this one opens
@@ -106,45 +94,46 @@ class LogService:
                              append_order=order)
         return await self.broker.produce_api.produce(hdr, req)
 
-    def _accept(self, payload: RingPayload | RejectedPayload) -> Accepted | LogError:
-        if isinstance(payload, RejectedPayload):
+    def _accept(self, payload: messages.RingPayload | messages.RejectedPayload) -> Accepted | LogError:
+        if isinstance(payload, messages.RejectedPayload):
             return LogError(ErrorCode(payload.code), payload.message)
         tracker = self.trackers[payload.slot]
         return tracker.track(payload.start, payload.length), functools.partial(tracker.release, payload.start)
 
-    async def _frame(self, msg: Frame) -> FrameResult:
+    async def _frame(self, msg: messages.Frame) -> messages.FrameResult:
         try:
             view = memoryview(msg.frame)
             wire, body_at = parse_header(view)
             hdr = RequestContext.of(wire, client_host=msg.client_host, principal=msg.principal)
             chunks = await call_handler(self.broker.handlers, hdr, view, body_at)
         except ProtocolViolation as exc:
-            return FrameResult(violation=str(exc))
-        return FrameResult(None if chunks is None else b"".join(chunks))
+            return messages.FrameResult(violation=str(exc))
+        return messages.FrameResult(None if chunks is None else b"".join(chunks))
 
-    async def _view(self, msg: OpenView) -> PartitionSnapshot | ViewRefused:
+    async def _view(self, msg: messages.OpenView) -> messages.PartitionSnapshot | messages.ViewRefused:
         partitions, p = self.broker.partitions, msg.partition
         meta = (await partitions.topic(msg.topic) if msg.topic is not None
                 else await partitions.topic_by_id(msg.topic_id or b""))
         if not has_partition(meta, p):
             code = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if msg.topic is not None else ErrorCode.UNKNOWN_TOPIC_ID
-            return ViewRefused(code, f"{msg.topic or msg.topic_id!r}/{p}")
+            return messages.ViewRefused(code, f"{msg.topic or msg.topic_id!r}/{p}")
         try:
             lg = await partitions.partition_log(meta.name, p)
         except LogError as exc:
-            return ViewRefused(exc.code, str(exc))
+            return messages.ViewRefused(exc.code, str(exc))
         cached = {m.key: ref for m in lg.segments if (ref := self.cache.ref(m.key)) is not None}
-        return PartitionSnapshot(meta.name, meta.id, lg.hw, lg.log_start, list(lg.segments), cached)
+        return messages.PartitionSnapshot(meta.name, meta.id, lg.hw, lg.log_start, list(lg.segments), cached)
 
     # ----------------------------------------------------------------- events
     def _acls_changed(self, acls: list[AclBinding]) -> None:
-        self._broadcast(AclsChanged([a.to_json() for a in acls]))
+        self._broadcast(messages.AclsChanged([a.to_json() for a in acls]))
 
     def _changed(self, lg: PartitionLog, manifest: SegmentManifest | None) -> None:
         ref = self.cache.ref(manifest.key) if manifest is not None else None
-        self._broadcast(PartitionChanged(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start, manifest, ref))
+        self._broadcast(messages.PartitionChanged(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start, manifest,
+                                                  ref))
 
-    def _broadcast(self, event: AclsChanged | PartitionChanged) -> None:
+    def _broadcast(self, event: messages.AclsChanged | messages.PartitionChanged) -> None:
         for ch in list(self.channels):
             if not ch.closed:
                 ch.event(event)

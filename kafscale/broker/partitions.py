@@ -12,13 +12,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kafscale.broker.access import Access
 from kafscale.broker.cluster import Cluster
+from kafscale.broker.context import RequestContext
+from kafscale.broker.server import Handler
 from kafscale.config import Config
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import MetaStore, SegmentManifest, TopicCache, TopicExists, TopicMeta
+from kafscale.metadata.store import MetaStore, SegmentManifest, TopicCache, TopicExists, TopicMeta, has_partition
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.types import TopicPartition
+from kafscale.security.acl import Operation, ResourceType
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
@@ -217,3 +221,26 @@ class PartitionRegistry:
                     lg = await self.partition_log(meta.name, p)
                     removed += await lg.apply_retention(ms, size, now_ms)
         return removed
+
+
+class PartitionApi:
+    """Base of the API classes that work on topics and partitions: each is
+    given the config, etcd, this registry and the access checks, and names in
+    ROUTES the method that answers each of its API keys."""
+
+    ROUTES: dict[int, str] = {}
+
+    def __init__(self, cfg: Config, meta: MetaStore, partitions: PartitionRegistry, access: Access) -> None:
+        self.cfg = cfg
+        self.meta = meta
+        self.partitions = partitions
+        self.access = access
+        self.handlers: dict[int, Handler] = {key: getattr(self, name) for key, name in self.ROUTES.items()}
+
+    def describe_refusal(self, hdr: RequestContext, topic: str, meta: TopicMeta | None, p: int) -> ErrorCode:
+        """Why partition p of topic may not be described to this client (NONE: it may)."""
+        if not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, topic):
+            return ErrorCode.TOPIC_AUTHORIZATION_FAILED
+        if not has_partition(meta, p):
+            return ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+        return ErrorCode.NONE

@@ -9,12 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kafscale import _native
-from kafscale.broker.access import Access
 from kafscale.broker.context import RequestContext
-from kafscale.broker.partitions import PartitionRegistry
-from kafscale.config import Config
+from kafscale.broker.partitions import PartitionApi
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import MetaStore, has_partition
+from kafscale.metadata.store import has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
@@ -27,16 +25,11 @@ log = logging.getLogger(__name__)
 Accepted = tuple[memoryview, Callable[[], None]]
 
 
-class ProduceApi:
-    def __init__(self, cfg: Config, meta: MetaStore, partitions: PartitionRegistry, access: Access) -> None:
-        self.cfg = cfg
-        self.meta = meta
-        self.partitions = partitions
-        self.access = access
-        self.handlers = {
-            schemas.PRODUCE.key: self.produce,
-            schemas.INIT_PRODUCER_ID.key: self.init_producer_id,
-        }
+class ProduceApi(PartitionApi):
+    ROUTES = {
+        schemas.PRODUCE.key: "produce",
+        schemas.INIT_PRODUCER_ID.key: "init_producer_id",
+    }
 
     async def produce(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any] | None:
         acks = req["acks"]

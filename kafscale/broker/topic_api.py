@@ -4,13 +4,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kafscale.broker.access import Access
-from kafscale.broker.cluster import Cluster
 from kafscale.broker.context import RequestContext
-from kafscale.broker.partitions import PartitionRegistry
-from kafscale.config import Config
+from kafscale.broker.partitions import PartitionApi
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import MetaStore, TopicExists, TopicMeta, has_partition, unavailable
+from kafscale.metadata.store import TopicExists, TopicMeta, unavailable
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
@@ -21,30 +18,23 @@ from kafscale.storage.partition import LogError
 log = logging.getLogger(__name__)
 
 
-class TopicApi:
-    def __init__(self, cfg: Config, meta: MetaStore, partitions: PartitionRegistry, access: Access,
-                 cluster: Cluster) -> None:
-        self.cfg = cfg
-        self.meta = meta
-        self.partitions = partitions
-        self.access = access
-        self.cluster = cluster
-        self.handlers = {
-            schemas.METADATA.key: self.metadata,
-            schemas.LIST_OFFSETS.key: self.list_offsets,
-            schemas.CREATE_TOPICS.key: self.create_topics,
-            schemas.DELETE_TOPICS.key: self.delete_topics,
-        }
+class TopicApi(PartitionApi):
+    ROUTES = {
+        schemas.METADATA.key: "metadata",
+        schemas.LIST_OFFSETS.key: "list_offsets",
+        schemas.CREATE_TOPICS.key: "create_topics",
+        schemas.DELETE_TOPICS.key: "delete_topics",
+    }
 
     # --------------------------------------------------------------- Metadata
     def _broker_list(self) -> list[dict[str, Any]]:
         return [{"node_id": b, "host": h, "port": p, "rack": None}
-                for b, (h, p) in sorted(self.cluster.brokers.items())]
+                for b, (h, p) in sorted(self.partitions.cluster.brokers.items())]
 
     def _topic_metadata(self, meta: TopicMeta, owners: dict[tuple[str, int], int]) -> dict[str, Any]:
         parts = []
         for p in range(meta.partitions):
-            leader = self.cluster.leader(meta.name, p, owners.get((meta.name, p)))
+            leader = self.partitions.cluster.leader(meta.name, p, owners.get((meta.name, p)))
             parts.append({"error_code": 0, "partition_index": p, "leader_id": leader, "leader_epoch": 0,
                           "replica_nodes": [leader], "isr_nodes": [leader], "offline_replicas": []})
         return {"error_code": 0, "name": meta.name, "topic_id": meta.id, "is_internal": False, "partitions": parts}
@@ -103,11 +93,8 @@ class TopicApi:
                 r = {"partition_index": p["partition_index"], "error_code": 0, "old_style_offsets": [],
                      "timestamp": -1, "offset": -1, "leader_epoch": 0}
                 parts.append(r)
-                if not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, t["name"]):
-                    r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
-                    continue
-                if not has_partition(meta, p["partition_index"]):
-                    r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+                r["error_code"] = self.describe_refusal(hdr, t["name"], meta, p["partition_index"])
+                if r["error_code"] or meta is None:
                     continue
                 try:
                     lg = await self.partitions.partition_log(meta.name, p["partition_index"])

@@ -14,22 +14,9 @@ import time
 from typing import Any
 
 from kafscale import _native, metrics
+from kafscale.broker import messages
 from kafscale.broker.context import RequestContext
 from kafscale.broker.ipc import Channel, ChannelClosed
-from kafscale.broker.messages import (
-    AclsChanged,
-    Frame,
-    FrameResult,
-    GetUser,
-    Hello,
-    OpenView,
-    PartitionChanged,
-    PartitionSnapshot,
-    Produce,
-    RejectedPayload,
-    RingPayload,
-    ViewRefused,
-)
 from kafscale.broker.server import (
     ON_SENT,
     SESSION,
@@ -88,7 +75,7 @@ class PartitionView(LogReader):
     watermarks and cache locations, kept current by the log process's events."""
 
     def __init__(self, store: ObjectStore, cache: CacheReader, readahead: int, budget: ReadBudget,
-                 state: PartitionSnapshot) -> None:
+                 state: messages.PartitionSnapshot) -> None:
         self.topic = state.topic
         self.view_cache = _ViewCache(cache)
         super().__init__(store, self.view_cache, readahead, budget)
@@ -124,7 +111,7 @@ class Worker:
         self.topic_ids: dict[bytes, str] = {}
         self._changed = asyncio.Event()
         self._opening = 0  # views being opened: their events may arrive before the view exists
-        self._early: list[PartitionChanged] = []
+        self._early: list[messages.PartitionChanged] = []
         self.handlers = {
             schemas.API_VERSIONS.key: self.api_versions,
             schemas.PRODUCE.key: self.produce,
@@ -137,10 +124,10 @@ class Worker:
         reader, writer = await asyncio.open_unix_connection(socket_path, limit=64 * 1024 * 1024)
         self.chan = Channel(reader, writer, on_event=self._on_event)
         self._serving = asyncio.create_task(self.chan.serve())
-        self._set_acls(await self.chan.call(Hello(self.slot)))
+        self._set_acls(await self.chan.call(messages.Hello(self.slot)))
         host, port = self.cfg.listen_addr()
         mechanisms = self.cfg.sasl_mechanism_list()
-        sasl = SaslSettings(mechanisms, lambda user: self.chan.call(GetUser(user))) if mechanisms else None
+        sasl = SaslSettings(mechanisms, lambda user: self.chan.call(messages.GetUser(user))) if mechanisms else None
         self.server = KafkaServer(self.handlers, host, port, ConnectionLimits.from_config(self.cfg), reuse_port=True,
                                   forward=self.forward, ssl=self.cfg.server_ssl(), sasl=sasl,
                                   proxy_secret=self.cfg.proxy_secret)
@@ -164,8 +151,8 @@ class Worker:
     def _set_acls(self, raw: list[bytes]) -> None:
         self.authz.update(AclBinding.from_json(a) for a in raw)
 
-    def _on_event(self, event: AclsChanged | PartitionChanged) -> None:
-        if isinstance(event, AclsChanged):
+    def _on_event(self, event: messages.AclsChanged | messages.PartitionChanged) -> None:
+        if isinstance(event, messages.AclsChanged):
             self._set_acls(event.acls)
             return
         view = self.views.get((event.topic, event.partition))
@@ -176,7 +163,7 @@ class Worker:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _apply(self, view: PartitionView, ev: PartitionChanged) -> None:
+    def _apply(self, view: PartitionView, ev: messages.PartitionChanged) -> None:
         if ev.closed:
             view.stop_reading()
             self.views.pop((ev.topic, ev.partition), None)
@@ -196,7 +183,8 @@ class Worker:
         assert self.chan is not None
         try:
             async with hdr.append_order:
-                result: FrameResult = await self.chan.call(Frame(hdr.client_host, hdr.principal, bytes(frame)))
+                call = messages.Frame(hdr.client_host, hdr.principal, bytes(frame))
+                result: messages.FrameResult = await self.chan.call(call)
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
         if result.violation is not None:
@@ -212,7 +200,7 @@ class Worker:
             for pd in td["partition_data"]:
                 pd["records"] = self._stage(pd["records"])
         try:
-            reply = self.chan.call(Produce(SESSION.get().conn, hdr.api_version, hdr.client_id, hdr.client_host,
+            reply = self.chan.call(messages.Produce(SESSION.get().conn, hdr.api_version, hdr.client_id, hdr.client_host,
                                            hdr.principal, req))
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
@@ -224,27 +212,27 @@ class Worker:
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
 
-    def _stage(self, payload: memoryview | None) -> RingPayload | RejectedPayload:
+    def _stage(self, payload: memoryview | None) -> messages.RingPayload | messages.RejectedPayload:
         if payload is None or len(payload) == 0:
-            return RejectedPayload(ErrorCode.INVALID_RECORD, "no records")
+            return messages.RejectedPayload(ErrorCode.INVALID_RECORD, "no records")
         try:
             batches = _native.validate_batches(payload, self.cfg.validate_compressed,
                                                self.cfg.max_uncompressed_batch_bytes)
         except _native.BatchError as exc:
-            return RejectedPayload(exc.code, str(exc))
+            return messages.RejectedPayload(exc.code, str(exc))
         n = len(payload)
         if n > self.ring.size:
-            return RejectedPayload(ErrorCode.MESSAGE_TOO_LARGE, f"{n} bytes exceed the produce buffer")
+            return messages.RejectedPayload(ErrorCode.MESSAGE_TOO_LARGE, f"{n} bytes exceed the produce buffer")
         start = self.ring.alloc(n)
         if start is None:
-            return RejectedPayload(ErrorCode.NOT_ENOUGH_REPLICAS, RING_FULL)
+            return messages.RejectedPayload(ErrorCode.NOT_ENOUGH_REPLICAS, RING_FULL)
         staged = self.ring.view(start, n)
         staged[:] = payload
         for b in batches:
             if b.max_timestamp_fixed:
                 _native.set_max_timestamp(staged, b)
         metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process()).inc(n)
-        return RingPayload(self.slot, start, n)
+        return messages.RingPayload(self.slot, start, n)
 
     # ---------------------------------------------------------------- Fetch
     async def fetch(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
@@ -271,7 +259,7 @@ class Worker:
         assert self.chan is not None
         self._opening += 1
         try:
-            reply = await self.chan.call(OpenView(name, topic_id, p))
+            reply = await self.chan.call(messages.OpenView(name, topic_id, p))
         except ChannelClosed:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, "the broker is shutting down") from None
         finally:
@@ -279,7 +267,7 @@ class Worker:
             early = self._early
             if not self._opening:
                 self._early = []
-        if isinstance(reply, ViewRefused):
+        if isinstance(reply, messages.ViewRefused):
             raise LogError(ErrorCode(reply.code), reply.message)
         name = reply.topic
         self.topic_ids[reply.topic_id] = name
