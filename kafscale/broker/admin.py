@@ -1,5 +1,5 @@
 """Admin API handlers: CreatePartitions, DescribeConfigs, AlterConfigs,
-IncrementalAlterConfigs, OffsetForLeaderEpoch, DescribeCluster."""
+IncrementalAlterConfigs, OffsetForLeaderEpoch, DescribeCluster, DeleteRecords."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,6 +7,7 @@ from typing import Any
 from kafscale.broker.context import RequestContext
 from kafscale.broker.partitions import PartitionApi
 from kafscale.metadata import topic_config
+from kafscale.metadata.store import has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
@@ -26,6 +27,7 @@ class AdminApi(PartitionApi):
         schemas.INCREMENTAL_ALTER_CONFIGS.key: "incremental_alter_configs",
         schemas.OFFSET_FOR_LEADER_EPOCH.key: "offset_for_leader_epoch",
         schemas.DESCRIBE_CLUSTER.key: "describe_cluster",
+        schemas.DELETE_RECORDS.key: "delete_records",
     }
 
     async def create_partitions(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
@@ -42,9 +44,13 @@ class AdminApi(PartitionApi):
                 r["error_code"] = ErrorCode.INVALID_PARTITIONS
                 r["error_message"] = f"topic has {meta.partitions} partitions; the new count must be larger " \
                                      f"(and at most {MAX_PARTITIONS})"
-            elif t["assignments"]:
-                r["error_code"] = ErrorCode.INVALID_REQUEST
-                r["error_message"] = "manual replica assignment is not supported"
+            elif t["assignments"] and len(t["assignments"]) != t["count"] - meta.partitions:
+                r["error_code"] = ErrorCode.INVALID_REPLICA_ASSIGNMENT
+                r["error_message"] = f"the assignment names {len(t['assignments'])} new partitions, not " \
+                                     f"{t['count'] - meta.partitions}"
+            elif t["assignments"] and self.assignment_error([a["broker_ids"] for a in t["assignments"]]):
+                r["error_code"] = ErrorCode.INVALID_REPLICA_ASSIGNMENT
+                r["error_message"] = self.assignment_error([a["broker_ids"] for a in t["assignments"]])
             elif not req["validate_only"]:
                 self.partitions.topics.put(await self.meta.update_topic(meta.name, partitions=t["count"]))
         return {"throttle_time_ms": 0, "results": results}
@@ -182,6 +188,34 @@ class AdminApi(PartitionApi):
                 if p["leader_epoch"] >= 0:
                     r["leader_epoch"], r["end_offset"] = 0, lg.hw
             topics.append({"topic": t["topic"], "partitions": parts})
+        return {"throttle_time_ms": 0, "topics": topics}
+
+    async def delete_records(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
+        """Move each partition's log start offset up to the given offset (-1:
+        the high watermark), fenced like a commit; whole segments before it are
+        deleted, and nothing before it is served again."""
+        topics = []
+        for t in req["topics"]:
+            meta = await self.partitions.topic(t["name"])
+            parts = []
+            for p in t["partitions"]:
+                r = {"partition_index": p["partition_index"], "low_watermark": -1, "error_code": 0}
+                parts.append(r)
+                if not self.access.allowed(hdr, Operation.DELETE, ResourceType.TOPIC, t["name"]):
+                    r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+                    continue
+                if not has_partition(meta, p["partition_index"]):
+                    r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+                    continue
+                try:
+                    lg = await self.partitions.partition_log(meta.name, p["partition_index"])
+                    before = lg.hw if p["offset"] == -1 else p["offset"]
+                    if not 0 <= before <= lg.hw:
+                        raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {before} beyond the high watermark")
+                    r["low_watermark"] = await lg.delete_records(before)
+                except LogError as exc:
+                    r["error_code"] = exc.code
+            topics.append({"name": t["name"], "partitions": parts})
         return {"throttle_time_ms": 0, "topics": topics}
 
     async def describe_cluster(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:

@@ -244,3 +244,15 @@ class PartitionApi:
         if not has_partition(meta, p):
             return ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
         return ErrorCode.NONE
+
+    def assignment_error(self, replicas: list[list[int]]) -> str | None:
+        """Why a manual replica assignment is refused (None: accepted). Every
+        replica list must name live brokers; the placement itself is not
+        applied: a partition is owned by the live broker the cluster's hashing
+        picks, and S3 holds its one copy."""
+        live = set(self.partitions.cluster.brokers)
+        for i, ids in enumerate(replicas):
+            unknown = sorted(set(ids) - live)
+            if not ids or unknown:
+                return f"replica list {i} ({ids}) must name live brokers ({sorted(live)})"
+        return None

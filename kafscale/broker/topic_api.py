@@ -121,8 +121,9 @@ class TopicApi(PartitionApi):
         out = []
         for t in req["topics"]:
             name = t["name"]
+            assigned = sorted(t["assignments"], key=lambda a: a["partition_index"])
             n = t["num_partitions"]
-            n = self.cfg.default_partitions if n == -1 else n
+            n = len(assigned) if assigned else self.cfg.default_partitions if n == -1 else n
             r = {"name": name, "topic_id": bytes(16), "error_code": 0, "error_message": None,
                  "num_partitions": n, "replication_factor": 1, "configs": []}
             out.append(r)
@@ -138,9 +139,15 @@ class TopicApi(PartitionApi):
             elif t["replication_factor"] == 0 or t["replication_factor"] < -1:
                 r["error_code"] = ErrorCode.INVALID_REPLICATION_FACTOR
                 r["error_message"] = "replication factor must be -1 or positive (S3 provides the durability)"
-            elif t["assignments"]:
+            elif assigned and (t["num_partitions"] != -1 or t["replication_factor"] != -1):
                 r["error_code"] = ErrorCode.INVALID_REQUEST
-                r["error_message"] = "manual replica assignment is not supported"
+                r["error_message"] = "with a replica assignment, num_partitions and replication_factor must be -1"
+            elif assigned and [a["partition_index"] for a in assigned] != list(range(n)):
+                r["error_code"] = ErrorCode.INVALID_REPLICA_ASSIGNMENT
+                r["error_message"] = "the assignment must name partitions 0 to N-1, each once"
+            elif assigned and self.assignment_error([a["broker_ids"] for a in assigned]):
+                r["error_code"] = ErrorCode.INVALID_REPLICA_ASSIGNMENT
+                r["error_message"] = self.assignment_error([a["broker_ids"] for a in assigned])
             elif bad_cfg:
                 r["error_code"], r["error_message"] = ErrorCode.INVALID_CONFIG, bad_cfg
             elif req.get("validate_only"):

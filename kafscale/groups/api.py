@@ -9,6 +9,7 @@ from kafscale.groups.coordinator import GroupCoordinator, GroupError, offset_rec
 from kafscale.metadata.store import TopicMeta, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
+from kafscale.protocol.types import TopicPartition
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class GroupApi:
             schemas.LEAVE_GROUP.key: self.leave_group,
             schemas.OFFSET_COMMIT.key: self.offset_commit,
             schemas.OFFSET_FETCH.key: self.offset_fetch,
+            schemas.OFFSET_DELETE.key: self.offset_delete,
             schemas.DESCRIBE_GROUPS.key: self.describe_groups,
             schemas.LIST_GROUPS.key: self.list_groups,
             schemas.DELETE_GROUPS.key: self.delete_groups,
@@ -151,6 +153,34 @@ class GroupApi:
             {"name": t["name"], "partitions": [{"partition_index": p["partition_index"],
                                                 "error_code": results[(t["name"], p["partition_index"])]}
                                                for p in t["partitions"]]} for t in req["topics"]]}
+
+    async def offset_delete(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
+        """Delete on the group, Read on each topic (as in Kafka)."""
+        results: dict[TopicPartition, ErrorCode] = {}
+        try:
+            self._mine(hdr, Operation.DELETE, req["group_id"])
+        except GroupError as exc:
+            return {"error_code": exc.code, "throttle_time_ms": 0, "topics": []}
+        wanted = []
+        for t in req["topics"]:
+            meta = await self.topic(t["name"])
+            topic_ok = self.allowed(hdr, Operation.READ, ResourceType.TOPIC, t["name"])
+            for p in t["partitions"]:
+                tp = TopicPartition(t["name"], p["partition_index"])
+                if not topic_ok:
+                    results[tp] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+                elif not has_partition(meta, tp.partition):
+                    results[tp] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+                else:
+                    wanted.append(tp)
+        try:
+            results.update(await self.coord.delete_offsets(req["group_id"], wanted))
+        except GroupError as exc:
+            return {"error_code": exc.code, "throttle_time_ms": 0, "topics": []}
+        return {"error_code": 0, "throttle_time_ms": 0, "topics": [
+            {"name": t["name"], "partitions": [
+                {"partition_index": p["partition_index"], "error_code": results[(t["name"], p["partition_index"])]}
+                for p in t["partitions"]]} for t in req["topics"]]}
 
     async def _fetch_group(self, hdr: RequestContext, group_id: str, topics: list[dict[str, Any]] | None
                            ) -> list[dict[str, Any]]:

@@ -22,8 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafscale.client import decode_subscription
 from kafscale.metadata.store import MetaStore
 from kafscale.protocol.errors import ErrorCode, KafkaError
+from kafscale.protocol.types import TopicPartition
 
 log = logging.getLogger(__name__)
 
@@ -451,6 +453,27 @@ class GroupCoordinator:
 
     async def fetch_offsets(self, group_id: str) -> dict[tuple[str, int], dict[str, Any]]:
         return await self.meta.fetch_offsets(group_id)
+
+    async def delete_offsets(self, group_id: str, partitions: list[TopicPartition]) -> dict[TopicPartition, ErrorCode]:
+        """OffsetDelete (KIP-496): forget the committed offsets of these
+        partitions, except those of topics the group's members subscribe to
+        while it has members (GROUP_SUBSCRIBED_TO_TOPIC, as in Kafka). A group
+        with neither state nor offsets is GROUP_ID_NOT_FOUND."""
+        g = await self._group(group_id)
+        if g is None and group_id not in await self.meta.group_names_with_offsets():
+            raise GroupError(ErrorCode.GROUP_ID_NOT_FOUND, f"group {group_id}")
+        in_use: set[str] | None = set()  # None: every topic (a subscription we cannot read)
+        if g is not None and g.members:
+            for m in g.members.values():
+                try:
+                    topics = decode_subscription(m.metadata(g.protocol)) if g.protocol_type == "consumer" else None
+                except Exception:
+                    topics = None
+                in_use = None if topics is None or in_use is None else in_use | set(topics)
+        out = {tp: ErrorCode.GROUP_SUBSCRIBED_TO_TOPIC if in_use is None or tp.topic in in_use else ErrorCode.NONE
+               for tp in partitions}
+        await self.meta.forget_offsets(group_id, [tp for tp, code in out.items() if code == ErrorCode.NONE])
+        return out
 
     # ------------------------------------------------------------------ admin
     async def describe(self, group_id: str) -> dict[str, Any]:

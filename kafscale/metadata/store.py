@@ -443,6 +443,11 @@ class MetaStore:
             out[TopicPartition(name_of(topic), int(p))] = json.loads(kv.value)
         return out
 
+    async def forget_offsets(self, group: str, partitions: list[TopicPartition]) -> None:
+        """Delete a group's committed offsets of these partitions."""
+        tx = self.client.transactions
+        await self._write_all([tx.delete(self.k("offsets", group, t, p)) for t, p in partitions])
+
     async def delete_offsets(self, group: str, topic: str | None = None) -> None:
         start = self.k("offsets", group, "") if topic is None else self.k("offsets", group, topic, "")
         await self.client.delete_range(start, prefix_range_end(start))

@@ -59,6 +59,8 @@ TOPIC_CONFIGS: dict[str, ConfigDef] = {d.name: d for d in (
               "accepted for compatibility; S3 provides the durability"),
     ConfigDef("compression.type", STRING, lambda c: "producer", _one_of("producer"),
               "batches are stored as the producer compressed them"),
+    ConfigDef("message.format.version", STRING, lambda c: "3.0-IV1", lambda v: None,
+              "deprecated in Kafka 3; accepted and ignored as Kafka 3 does (batches are always v2)"),
 )}
 
 

@@ -31,8 +31,8 @@ _ALIASES = {
 
 
 # offsets, watermarks, timestamps and epochs are unknown in an error: -1, as Kafka answers
-_UNKNOWN = frozenset({"base_offset", "high_watermark", "last_stable_offset", "log_start_offset", "offset",
-                      "timestamp", "end_offset", "log_append_time_ms", "committed_offset", "leader_epoch",
+_UNKNOWN = frozenset({"base_offset", "high_watermark", "low_watermark", "last_stable_offset", "log_start_offset",
+                      "offset", "timestamp", "end_offset", "log_append_time_ms", "committed_offset", "leader_epoch",
                       "committed_leader_epoch"})
 
 _GROUP_APIS = {a.key for a in (schemas.FIND_COORDINATOR, schemas.JOIN_GROUP, schemas.SYNC_GROUP, schemas.HEARTBEAT,

@@ -679,12 +679,53 @@ filter_results: [
 ]
 """)
 
+DELETE_RECORDS = _api(21, "DeleteRecords", (0, 2), 2, """
+topics: [
+  name: string
+  partitions: [
+    partition_index: int32
+    offset: int64
+  ]
+]
+timeout_ms: int32
+""", """
+throttle_time_ms: int32
+topics: [
+  name: string
+  partitions: [
+    partition_index: int32
+    low_watermark: int64
+    error_code: int16
+  ]
+]
+""")
+
+OFFSET_DELETE = _api(47, "OffsetDelete", (0, 0), MAX_VERSION, """
+group_id: string
+topics: [
+  name: string
+  partitions: [
+    partition_index: int32
+  ]
+]
+""", """
+error_code: int16
+throttle_time_ms: int32
+topics: [
+  name: string
+  partitions: [
+    partition_index: int32
+    error_code: int16
+  ]
+]
+""")
+
 APIS: dict[int, Api] = {a.key: a for a in (
     PRODUCE, FETCH, LIST_OFFSETS, METADATA, OFFSET_COMMIT, OFFSET_FETCH, FIND_COORDINATOR, JOIN_GROUP, HEARTBEAT,
     LEAVE_GROUP, SYNC_GROUP, DESCRIBE_GROUPS, LIST_GROUPS, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS,
     INIT_PRODUCER_ID, OFFSET_FOR_LEADER_EPOCH, DESCRIBE_CONFIGS, ALTER_CONFIGS, CREATE_PARTITIONS, DELETE_GROUPS,
     INCREMENTAL_ALTER_CONFIGS, DESCRIBE_CLUSTER, SASL_HANDSHAKE, SASL_AUTHENTICATE, DESCRIBE_ACLS, CREATE_ACLS,
-    DELETE_ACLS,
+    DELETE_ACLS, DELETE_RECORDS, OFFSET_DELETE,
 )}
 
 

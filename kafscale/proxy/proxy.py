@@ -49,9 +49,11 @@ PARTITIONED = {
                                              "partitions"),
     schemas.OFFSET_FOR_LEADER_EPOCH.key: PartitionedApi("topics", "topic", "partitions", "partition", "topics",
                                                         "partitions"),
+    schemas.DELETE_RECORDS.key: PartitionedApi("topics", "name", "partitions", "partition_index", "topics",
+                                               "partitions"),
 }
 GROUP_KEYED = {schemas.JOIN_GROUP.key, schemas.SYNC_GROUP.key, schemas.HEARTBEAT.key, schemas.LEAVE_GROUP.key,
-               schemas.OFFSET_COMMIT.key}
+               schemas.OFFSET_COMMIT.key, schemas.OFFSET_DELETE.key}
 
 
 class Proxy:

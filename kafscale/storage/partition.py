@@ -370,22 +370,45 @@ class PartitionLog(LogReader):
                 total -= m.size
             if not drop:
                 return 0
-            new_start = drop[-1].last + 1
-            new_state = PartitionState(self.cfg.node_id, self.epoch, self.hw, new_start)
-            self._state_raw = await self.meta.set_log_start(self.topic, self.partition, self._state_raw, new_state,
-                                                            [m.base for m in drop])
-            self.log_start = new_start
-            self.drop_segments(len(drop))
+            await self._move_log_start(drop[-1].last + 1, drop)
+        await self._delete_objects(drop, "retention")
+        return len(drop)
+
+    async def delete_records(self, before: int) -> int:
+        """DeleteRecords: records before offset `before` (at most the high
+        watermark) are gone for readers; segments wholly before it are deleted,
+        the one it falls in stays in S3 but is served only from `before` on.
+        Returns the new log start offset."""
+        async with self._commit_lock:
+            if self.closed:
+                raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, "partition log closed")
+            if before <= self.log_start:
+                return self.log_start
+            drop = [m for m in self.segments if m.last < before]
+            await self._move_log_start(before, drop)
+        await self._delete_objects(drop, "DeleteRecords")
+        return before
+
+    async def _move_log_start(self, new_start: int, drop: list[SegmentManifest]) -> None:
+        """Fenced in etcd: the new log start offset, and the manifests of the dropped segments gone.
+        Called with the commit lock held; drop is a prefix of self.segments."""
+        new_state = PartitionState(self.cfg.node_id, self.epoch, self.hw, new_start)
+        self._state_raw = await self.meta.set_log_start(self.topic, self.partition, self._state_raw, new_state,
+                                                        [m.base for m in drop])
+        self.log_start = new_start
+        self.drop_segments(len(drop))
         self._on_change(self, None)
+
+    async def _delete_objects(self, drop: list[SegmentManifest], why: str) -> None:
+        """Delete segments no manifest names any more (failures leave only garbage)."""
         for m in drop:
             self.cache.drop_prefix(m.key)
             try:
                 await asyncio.gather(self.store.delete(m.key), self.store.delete(index_key(m.key)))
-            except Exception as exc:  # no manifest points at it any more: only garbage is left
+            except Exception as exc:
                 log.warning("could not delete %s: %r", m.key, exc)
-        log.info("%s/%d: retention removed %d segments; log start offset now %d", self.topic, self.partition,
-                 len(drop), new_start)
-        return len(drop)
+        log.info("%s/%d: %s removed %d segments; log start offset now %d", self.topic, self.partition, why,
+                 len(drop), self.log_start)
 
 
 def producers_of(items: list[_Pending]) -> dict[str, list[Any]]:

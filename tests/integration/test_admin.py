@@ -96,3 +96,98 @@ def test_offset_for_leader_epoch(broker, topic_name):
     assert (parts[0]["error_code"], parts[0]["leader_epoch"], parts[0]["end_offset"]) == (0, 0, 3)
     assert parts[1]["error_code"] == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
     c.close()
+
+
+def test_delete_records_with_two_admin_clients(broker, topic_name):
+    """DeleteRecords moves a partition's log start (fenced, like a commit):
+    nothing before it is served again, whole segments before it go, and an
+    offset beyond the high watermark is refused."""
+    from confluent_kafka import Consumer, TopicPartition
+    from kafka import TopicPartition as KTopicPartition
+    from kafka.admin import KafkaAdminClient
+    from kafka.errors import OffsetOutOfRangeError
+
+    create_topic(broker.bootstrap, topic_name, partitions=2)
+    for p in (0, 1):
+        for i in range(3):  # three segments of 3 records each
+            confluent_produce(broker.bootstrap, topic_name, [Rec(None, b"p%d-%d" % (p, 3 * i + j)) for j in range(3)],
+                              partition=p)
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    [fut] = admin.delete_records([TopicPartition(topic_name, 0, 4)]).values()
+    assert fut.result(10).low_watermark == 4
+    py = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    try:
+        got = py.delete_records({KTopicPartition(topic_name, 1): 7})
+        assert got[KTopicPartition(topic_name, 1)]["low_watermark"] == 7
+        with pytest.raises(OffsetOutOfRangeError):
+            py.delete_records({KTopicPartition(topic_name, 1): 100})
+    finally:
+        py.close()
+    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": f"{topic_name}-r"})
+    assert [c.get_watermark_offsets(TopicPartition(topic_name, p), timeout=10) for p in (0, 1)] == [(4, 9), (7, 9)]
+    c.assign([TopicPartition(topic_name, 0, -2)])
+    values = []
+    while len(values) < 5:
+        m = c.poll(10)
+        assert m is not None and not m.error(), m and m.error()
+        values.append((m.offset(), m.value()))
+    c.close()
+    assert values == [(i, b"p0-%d" % i) for i in range(4, 9)], "served from the new log start, nothing before it"
+
+
+def test_offset_delete_with_kafka_python(broker, topic_name):
+    """OffsetDelete forgets a group's committed offsets of some partitions,
+    and refuses those of a topic the group's live members subscribe to."""
+    import time
+
+    from confluent_kafka import Consumer, TopicPartition
+    from kafka import TopicPartition as KTopicPartition
+    from kafka.admin import KafkaAdminClient
+    from kafka.errors import GroupIdNotFoundError, GroupSubscribedToTopicError, NoError
+
+    create_topic(broker.bootstrap, topic_name, partitions=2)
+    group = f"{topic_name}-g"
+    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group})
+    c.commit(offsets=[TopicPartition(topic_name, 0, 5), TopicPartition(topic_name, 1, 6)], asynchronous=False)
+    py = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    try:
+        assert py.delete_group_offsets(group, [KTopicPartition(topic_name, 0)]) == {
+            KTopicPartition(topic_name, 0): NoError}
+        assert [tp.offset for tp in c.committed([TopicPartition(topic_name, p) for p in (0, 1)], 10)] == [-1001, 6]
+        c.subscribe([topic_name])
+        deadline = time.monotonic() + 30
+        while not c.assignment() and time.monotonic() < deadline:
+            c.poll(0.2)
+        assert c.assignment(), "the member joined"
+        refused = py.delete_group_offsets(group, [KTopicPartition(topic_name, 1)])
+        assert refused == {KTopicPartition(topic_name, 1): GroupSubscribedToTopicError}
+        with pytest.raises(GroupIdNotFoundError):
+            py.delete_group_offsets(f"{group}-none", [KTopicPartition(topic_name, 1)])
+    finally:
+        py.close()
+        c.close()
+
+
+def test_manual_assignments_and_message_format_version_are_accepted(broker, topic_name):
+    """Replica assignments naming live brokers are accepted (placement is not
+    applied: S3 keeps the one copy); one naming another broker is refused with
+    INVALID_REPLICA_ASSIGNMENT. message.format.version is accepted and ignored."""
+    from confluent_kafka.admin import NewTopic
+    from kafka.admin import KafkaAdminClient
+    from kafka.admin import NewPartitions as KNewPartitions
+
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    new = NewTopic(topic_name, 3, replica_assignment=[[1], [1], [1]], config={"message.format.version": "2.8"})
+    admin.create_topics([new])[topic_name].result(10)
+    assert len(admin.list_topics(timeout=10).topics[topic_name].partitions) == 3
+    with pytest.raises(KafkaException) as exc:
+        bad = NewTopic(f"{topic_name}-x", 2, replica_assignment=[[1], [99]])
+        admin.create_topics([bad])[bad.topic].result(10)
+    assert exc.value.args[0].code() == ErrorCode.INVALID_REPLICA_ASSIGNMENT
+    py = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    try:
+        py.create_partitions({topic_name: KNewPartitions(total_count=5, new_assignments=[[1], [1]])})
+    finally:
+        py.close()
+    assert len(admin.list_topics(timeout=10).topics[topic_name].partitions) == 5
+    assert confluent_produce(broker.bootstrap, topic_name, [Rec(b"k", b"v")], partition=4) == [0]
