@@ -10,7 +10,7 @@ from collections.abc import Callable
 from kafscale.broker.context import RequestContext
 from kafscale.config import Config
 from kafscale.metadata.store import MetaStore
-from kafscale.security.acl import CLUSTER, AclBinding, Authorizer, Operation, ResourceType
+from kafscale.security.acl import CLUSTER, AclBinding, Authorizer, Operation, ResourceType, authorized_operations
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,10 @@ class Access:
     def may_create_topic(self, hdr: RequestContext, name: str) -> bool:
         return (self.allowed(hdr, Operation.CREATE, ResourceType.CLUSTER, CLUSTER)
                 or self.allowed(hdr, Operation.CREATE, ResourceType.TOPIC, name))
+
+    def operations(self, hdr: RequestContext, rtype: ResourceType, name: str) -> int:
+        """The authorized_operations bit field of a resource for this principal."""
+        return authorized_operations(lambda op: self.allowed(hdr, op, rtype, name), rtype)
 
     def may_write_some_topic(self, hdr: RequestContext) -> bool:
         return self.authz.allows_any_topic(hdr.principal, hdr.client_host, Operation.WRITE)

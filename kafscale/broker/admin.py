@@ -224,6 +224,9 @@ class AdminApi(PartitionApi):
                     "error_message": f"{hdr.principal} may not describe the cluster", "cluster_id": "",
                     "brokers": []}
         brokers = await self.meta.list_brokers()
-        return {"throttle_time_ms": 0, "error_code": 0, "cluster_id": self.cfg.cluster,
+        resp = {"throttle_time_ms": 0, "error_code": 0, "cluster_id": self.cfg.cluster,
                 "controller_id": self.cfg.node_id,
                 "brokers": [{"broker_id": b, "host": h, "port": p, "rack": None} for b, h, p in brokers]}
+        if req.get("include_cluster_authorized_operations"):
+            resp["cluster_authorized_operations"] = self.access.operations(hdr, ResourceType.CLUSTER, CLUSTER)
+        return resp

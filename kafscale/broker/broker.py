@@ -18,6 +18,7 @@ from kafscale.broker.partitions import PartitionRegistry
 from kafscale.broker.produce_api import ProduceApi
 from kafscale.broker.server import Handler
 from kafscale.broker.topic_api import TopicApi
+from kafscale.broker.user_api import UserApi
 from kafscale.config import Config
 from kafscale.groups.api import GroupApi
 from kafscale.groups.coordinator import GroupCoordinator
@@ -42,7 +43,8 @@ class Broker:
         self.handlers: dict[int, Handler] = {}
         for api in (TopicApi(cfg, meta, self.partitions, self.access), self.produce_api,
                     GroupApi(self.groups, self.cluster, self.partitions.topic, self.access.allowed),
-                    AdminApi(cfg, meta, self.partitions, self.access), AclApi(meta, self.access)):
+                    AdminApi(cfg, meta, self.partitions, self.access), AclApi(meta, self.access),
+                    UserApi(meta, self.access)):
             self.handlers.update(api.handlers)
         self._tasks: list[asyncio.Task[None]] = []
 

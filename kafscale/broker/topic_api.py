@@ -12,7 +12,7 @@ from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.types import EARLIEST, LATEST, MAX_TIMESTAMP
-from kafscale.security.acl import Operation, ResourceType
+from kafscale.security.acl import CLUSTER, Operation, ResourceType
 from kafscale.storage.partition import LogError
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,16 @@ class TopicApi(PartitionApi):
                     topics.append(self._topic_error(err, name, t))
                 else:
                     topics.append(self._topic_metadata(meta, owners))
-        return {"throttle_time_ms": 0, "brokers": self._broker_list(), "cluster_id": self.cfg.cluster,
+        if req.get("include_topic_authorized_operations"):
+            for topic in topics:
+                if not topic["error_code"]:
+                    topic["topic_authorized_operations"] = self.access.operations(hdr, ResourceType.TOPIC,
+                                                                                  topic["name"])
+        resp = {"throttle_time_ms": 0, "brokers": self._broker_list(), "cluster_id": self.cfg.cluster,
                 "controller_id": self.cfg.node_id, "topics": topics}
+        if req.get("include_cluster_authorized_operations"):
+            resp["cluster_authorized_operations"] = self.access.operations(hdr, ResourceType.CLUSTER, CLUSTER)
+        return resp
 
     # ------------------------------------------------------------ ListOffsets
     async def list_offsets(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from kafscale.metadata.store import TopicMeta, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
 from kafscale.protocol.types import TopicPartition
-from kafscale.security.acl import CLUSTER, Operation, ResourceType
+from kafscale.security.acl import CLUSTER, Operation, ResourceType, authorized_operations
 
 if TYPE_CHECKING:
     from kafscale.broker.cluster import Cluster
@@ -227,7 +227,11 @@ class GroupApi:
         for g in req["groups"]:
             try:
                 self._mine(hdr, Operation.DESCRIBE, g)
-                out.append(await self.coord.describe(g))
+                desc = await self.coord.describe(g)
+                if req.get("include_authorized_operations"):
+                    desc["authorized_operations"] = authorized_operations(
+                        lambda op, gid=g: self.allowed(hdr, op, ResourceType.GROUP, gid), ResourceType.GROUP)
+                out.append(desc)
             except GroupError as exc:
                 out.append({"error_code": exc.code, "group_id": g, "group_state": "", "protocol_type": "",
                             "protocol_data": "", "members": []})

@@ -720,12 +720,52 @@ topics: [
 ]
 """)
 
+DESCRIBE_USER_SCRAM_CREDENTIALS = _api(50, "DescribeUserScramCredentials", (0, 0), 0, """
+users: [ ?
+  name: string
+]
+""", """
+throttle_time_ms: int32
+error_code: int16
+error_message: string ?
+results: [
+  user: string
+  error_code: int16
+  error_message: string ?
+  credential_infos: [
+    mechanism: int8
+    iterations: int32
+  ]
+]
+""")
+
+ALTER_USER_SCRAM_CREDENTIALS = _api(51, "AlterUserScramCredentials", (0, 0), 0, """
+deletions: [
+  name: string
+  mechanism: int8
+]
+upsertions: [
+  name: string
+  mechanism: int8
+  iterations: int32
+  salt: bytes
+  salted_password: bytes
+]
+""", """
+throttle_time_ms: int32
+results: [
+  user: string
+  error_code: int16
+  error_message: string ?
+]
+""")
+
 APIS: dict[int, Api] = {a.key: a for a in (
     PRODUCE, FETCH, LIST_OFFSETS, METADATA, OFFSET_COMMIT, OFFSET_FETCH, FIND_COORDINATOR, JOIN_GROUP, HEARTBEAT,
     LEAVE_GROUP, SYNC_GROUP, DESCRIBE_GROUPS, LIST_GROUPS, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS,
     INIT_PRODUCER_ID, OFFSET_FOR_LEADER_EPOCH, DESCRIBE_CONFIGS, ALTER_CONFIGS, CREATE_PARTITIONS, DELETE_GROUPS,
     INCREMENTAL_ALTER_CONFIGS, DESCRIBE_CLUSTER, SASL_HANDSHAKE, SASL_AUTHENTICATE, DESCRIBE_ACLS, CREATE_ACLS,
-    DELETE_ACLS, DELETE_RECORDS, OFFSET_DELETE,
+    DELETE_ACLS, DELETE_RECORDS, OFFSET_DELETE, DESCRIBE_USER_SCRAM_CREDENTIALS, ALTER_USER_SCRAM_CREDENTIALS,
 )}
 
 

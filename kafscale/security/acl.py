@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from enum import IntEnum
 from typing import Any
@@ -59,6 +59,22 @@ class Permission(IntEnum):
 
 
 CLUSTER = "kafka-cluster"  # the one cluster resource's name
+
+# The operations each resource type supports, as Kafka reports them in
+# authorized_operations (Metadata, DescribeCluster, DescribeGroups).
+SUPPORTED_OPERATIONS = {
+    ResourceType.TOPIC: (Operation.READ, Operation.WRITE, Operation.CREATE, Operation.DELETE, Operation.ALTER,
+                         Operation.DESCRIBE, Operation.DESCRIBE_CONFIGS, Operation.ALTER_CONFIGS),
+    ResourceType.CLUSTER: (Operation.CREATE, Operation.ALTER, Operation.DESCRIBE, Operation.CLUSTER_ACTION,
+                           Operation.DESCRIBE_CONFIGS, Operation.ALTER_CONFIGS, Operation.IDEMPOTENT_WRITE),
+    ResourceType.GROUP: (Operation.READ, Operation.DESCRIBE, Operation.DELETE),
+}
+
+
+def authorized_operations(allowed: Callable[[Operation], bool], rtype: ResourceType) -> int:
+    """Kafka's authorized_operations bit field: bit op set for each supported
+    operation the principal may do on the resource."""
+    return sum(1 << op for op in SUPPORTED_OPERATIONS[rtype] if allowed(op))
 WILDCARD = "*"
 _IMPLIED = {Operation.DESCRIBE: {Operation.READ, Operation.WRITE, Operation.DELETE, Operation.ALTER},
             Operation.DESCRIBE_CONFIGS: {Operation.ALTER_CONFIGS}}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,14 @@ class ScramCredential:
         b64 = base64.b64encode
         return {"salt": b64(self.salt).decode(), "stored_key": b64(self.stored_key).decode(),
                 "server_key": b64(self.server_key).decode(), "iterations": self.iterations}
+
+    @classmethod
+    def from_salted_password(cls, mechanism: str, salt: bytes, salted: bytes, iterations: int) -> ScramCredential:
+        """What a Kafka admin client's AlterUserScramCredentials sends (SaltedPassword = Hi(password, salt, i))."""
+        digest = "sha512" if mechanism.endswith("512") else "sha256"
+        client_key = hmac.digest(salted, b"Client Key", digest)
+        return cls(salt, hashlib.new(digest, client_key).digest(), hmac.digest(salted, b"Server Key", digest),
+                   iterations)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ScramCredential:

@@ -83,6 +83,13 @@ def test_kafka_python_admin_and_describe_cluster(broker, topic_name):
     cluster = admin.describe_cluster()
     assert cluster["cluster_id"] and [b["broker_id"] for b in cluster["brokers"]] == [1]
     admin.close()
+    # without an authorizer every operation is authorized: 7 on the cluster, 8 on a topic (librdkafka)
+    from confluent_kafka import TopicCollection
+
+    rd = AdminClient({"bootstrap.servers": broker.bootstrap})
+    assert len(rd.describe_cluster(include_authorized_operations=True).result(10).authorized_operations) == 7
+    [topic] = rd.describe_topics(TopicCollection([topic_name]), include_authorized_operations=True).values()
+    assert len(topic.result(10).authorized_operations) == 8
 
 
 def test_offset_for_leader_epoch(broker, topic_name):

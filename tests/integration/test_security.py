@@ -108,6 +108,43 @@ def test_every_mechanism_with_every_client(sasl_broker, topic_name):
     assert refused.returncode == 1 and refused.stderr.strip().startswith("kafscale consume: SASL_AUTHENTICATION_FAILED")
 
 
+def test_scram_users_through_kafka_admin_clients(sasl_broker, topic_name):
+    """AlterUserScramCredentials and DescribeUserScramCredentials (confluent-kafka
+    and kafka-python) work on the users `kafscale users` manages: a user created
+    by an admin client signs in, and one deleted by it no longer does."""
+    from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
+    from kafka.admin import KafkaAdminClient, UserScramCredentialDeletion
+    from kafka.admin import ScramMechanism as KScramMechanism
+
+    b = sasl_broker
+    admin = AdminClient({"bootstrap.servers": b.bootstrap, **sasl("alice")})
+    up = UserScramCredentialUpsertion("dave", ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192), b"dave-pw")
+    admin.alter_user_scram_credentials([up])["dave"].result(10)
+    assert "dave" in kafscale(b, "users", "ls").split()
+    described = {u: f.result(10) for u, f in admin.describe_user_scram_credentials(["dave", "alice"]).items()}
+    assert [(i.mechanism, i.iterations) for i in described["dave"].scram_credential_infos] == [
+        (ScramMechanism.SCRAM_SHA_512, 8192)]
+    assert {i.mechanism for i in described["alice"].scram_credential_infos} == {
+        ScramMechanism.SCRAM_SHA_256, ScramMechanism.SCRAM_SHA_512}
+    dave = {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "dave",
+            "sasl.password": "dave-pw"}
+    assert topic_name not in AdminClient({"bootstrap.servers": b.bootstrap, **dave}).list_topics(timeout=10).topics
+    py = KafkaAdminClient(bootstrap_servers=b.bootstrap, security_protocol="SASL_PLAINTEXT",
+                          sasl_mechanism="SCRAM-SHA-256", sasl_plain_username="alice",
+                          sasl_plain_password="alice-secret")
+    try:
+        infos = py.describe_user_scram_credentials(["dave"])["dave"]
+        assert infos["error"] is None and [i["iterations"] for i in infos["credential_infos"]] == [8192]
+        assert py.alter_user_scram_credentials([UserScramCredentialDeletion("dave", KScramMechanism.SCRAM_SHA_512)]) \
+            == {"dave": None}
+        assert py.describe_user_scram_credentials(["dave"])["dave"]["error"] is not None
+    finally:
+        py.close()
+    assert "dave" not in kafscale(b, "users", "ls").split()
+    with pytest.raises(KafkaException):
+        AdminClient({"bootstrap.servers": b.bootstrap, **dave}).list_topics(timeout=3)
+
+
 def test_bad_credentials_and_removed_users_are_refused(sasl_broker, topic_name):
     b = sasl_broker
     for mech in ALL_MECHANISMS.split(","):
@@ -246,6 +283,25 @@ def test_acls_on_produce_fetch_groups_and_admin(make_broker, topic_name):
     # (her consumer's group lookups fail too: she may not use the bob-* groups)
     assert KafkaError.TOPIC_AUTHORIZATION_FAILED in consume_errors(b.bootstrap, sasl("alice"), orders, "bob-2",
                                                                    False, 5)[1]
+    # authorized_operations (Metadata v8+, DescribeCluster, DescribeGroups) follow the ACLs
+    from confluent_kafka import TopicCollection
+    from kafka.admin import KafkaAdminClient
+
+    def topic_ops(client: AdminClient) -> set[AclOperation]:
+        [fut] = client.describe_topics(TopicCollection([orders]), include_authorized_operations=True).values()
+        return set(fut.result(10).authorized_operations)
+
+    bob = AdminClient({"bootstrap.servers": b.bootstrap, **sasl("bob")})
+    assert topic_ops(bob) == {AclOperation.READ, AclOperation.DESCRIBE}
+    assert len(topic_ops(admin)) == 8, "a super user may do all 8 topic operations"
+    assert len(admin.describe_cluster(include_authorized_operations=True).result(10).authorized_operations) == 7
+    py = KafkaAdminClient(bootstrap_servers=b.bootstrap, security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN",
+                          sasl_plain_username="bob", sasl_plain_password=PASSWORDS["bob"])
+    try:
+        group = py.describe_groups(["bob-1"], include_authorized_operations=True)["bob-1"]
+        assert {getattr(op, "name", op) for op in group["authorized_operations"]} == {"READ", "DESCRIBE"}, group
+    finally:
+        py.close()
     # admin: carol sees no topics and may create none; non-super users may not manage ACLs
     carol = AdminClient({"bootstrap.servers": b.bootstrap, **sasl("carol")})
     assert not {orders, payments} & set(carol.list_topics(timeout=10).topics)

@@ -141,3 +141,20 @@ def test_plain_exchange_checks_against_the_scram_credential(users):
             asyncio.run(plain(bad))
     stored = users["alice"]["SCRAM-SHA-256"]
     assert "wonderland" not in str(users) and stored["iterations"] >= 4096, "only salted hashes are stored"
+
+
+def test_credentials_from_an_admin_clients_salted_password_match_the_password_ones():
+    """AlterUserScramCredentials sends Hi(password, salt, i); the stored
+    credential must equal the one `kafscale users add` derives from the password."""
+    import hashlib
+
+    from scramp import ScramMechanism
+
+    from kafscale.security.sasl import ScramCredential
+
+    salt = b"0123456789abcdef"
+    for mechanism, digest in (("SCRAM-SHA-256", "sha256"), ("SCRAM-SHA-512", "sha512")):
+        salted = hashlib.pbkdf2_hmac(digest, b"s3cret", salt, 8192)
+        got = ScramCredential.from_salted_password(mechanism, salt, salted, 8192)
+        assert got == ScramCredential(*ScramMechanism(mechanism).make_auth_info("s3cret", iteration_count=8192,
+                                                                                 salt=salt))
