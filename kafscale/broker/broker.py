@@ -16,6 +16,7 @@ from kafscale.broker.admin import AdminApi
 from kafscale.broker.cluster import Cluster
 from kafscale.broker.partitions import PartitionRegistry
 from kafscale.broker.produce_api import ProduceApi
+from kafscale.broker.replica_api import ReplicaApi
 from kafscale.broker.server import Handler
 from kafscale.broker.topic_api import TopicApi
 from kafscale.broker.user_api import UserApi
@@ -44,7 +45,7 @@ class Broker:
         for api in (TopicApi(cfg, meta, self.partitions, self.access), self.produce_api,
                     GroupApi(self.groups, self.cluster, self.partitions.topic, self.access.allowed),
                     AdminApi(cfg, meta, self.partitions, self.access), AclApi(meta, self.access),
-                    UserApi(meta, self.access)):
+                    UserApi(meta, self.access), ReplicaApi(cfg, meta, self.partitions, self.access)):
             self.handlers.update(api.handlers)
         self._tasks: list[asyncio.Task[None]] = []
 

@@ -406,6 +406,16 @@ class MetaStore:
             out[key] = out.get(key, 0) + 1
         return out
 
+    async def segment_bytes(self) -> dict[TopicPartition, int]:
+        """Bytes in committed segments per partition of every topic (one paged scan)."""
+        base = self.k("segments", "")
+        out: dict[TopicPartition, int] = {}
+        async for kv in self.scan(base):
+            topic, p, _ = kv.key[len(base):].decode().split("/", 2)
+            key = TopicPartition(name_of(topic), int(p))
+            out[key] = out.get(key, 0) + json.loads(kv.value)["size"]
+        return out
+
     async def partition_states(self) -> dict[TopicPartition, PartitionState]:
         """The state of every partition ever claimed (one paged scan)."""
         base = self.k("partitions", "")

@@ -760,12 +760,102 @@ results: [
 ]
 """)
 
+DESCRIBE_LOG_DIRS = _api(35, "DescribeLogDirs", (0, 4), 2, """
+topics: [ ?
+  topic: string
+  partitions: [int32]
+]
+""", """
+throttle_time_ms: int32
+error_code: int16 3+
+results: [
+  error_code: int16
+  log_dir: string
+  topics: [
+    name: string
+    partitions: [
+      partition_index: int32
+      partition_size: int64
+      offset_lag: int64
+      is_future_key: bool
+    ]
+  ]
+  total_bytes: int64 4+ default=-1
+  usable_bytes: int64 4+ default=-1
+]
+""")
+
+ELECT_LEADERS = _api(43, "ElectLeaders", (0, 2), 2, """
+election_type: int8 1+
+topic_partitions: [ ?
+  topic: string
+  partitions: [int32]
+]
+timeout_ms: int32
+""", """
+throttle_time_ms: int32
+error_code: int16 1+
+replica_election_results: [
+  topic: string
+  partition_result: [
+    partition_id: int32
+    error_code: int16
+    error_message: string ?
+  ]
+]
+""")
+
+ALTER_PARTITION_REASSIGNMENTS = _api(45, "AlterPartitionReassignments", (0, 0), 0, """
+timeout_ms: int32
+topics: [
+  name: string
+  partitions: [
+    partition_index: int32
+    replicas: [int32] ?
+  ]
+]
+""", """
+throttle_time_ms: int32
+error_code: int16
+error_message: string ?
+responses: [
+  name: string
+  partitions: [
+    partition_index: int32
+    error_code: int16
+    error_message: string ?
+  ]
+]
+""")
+
+LIST_PARTITION_REASSIGNMENTS = _api(46, "ListPartitionReassignments", (0, 0), 0, """
+timeout_ms: int32
+topics: [ ?
+  name: string
+  partition_indexes: [int32]
+]
+""", """
+throttle_time_ms: int32
+error_code: int16
+error_message: string ?
+topics: [
+  name: string
+  partitions: [
+    partition_index: int32
+    replicas: [int32]
+    adding_replicas: [int32]
+    removing_replicas: [int32]
+  ]
+]
+""")
+
 APIS: dict[int, Api] = {a.key: a for a in (
     PRODUCE, FETCH, LIST_OFFSETS, METADATA, OFFSET_COMMIT, OFFSET_FETCH, FIND_COORDINATOR, JOIN_GROUP, HEARTBEAT,
     LEAVE_GROUP, SYNC_GROUP, DESCRIBE_GROUPS, LIST_GROUPS, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS,
     INIT_PRODUCER_ID, OFFSET_FOR_LEADER_EPOCH, DESCRIBE_CONFIGS, ALTER_CONFIGS, CREATE_PARTITIONS, DELETE_GROUPS,
     INCREMENTAL_ALTER_CONFIGS, DESCRIBE_CLUSTER, SASL_HANDSHAKE, SASL_AUTHENTICATE, DESCRIBE_ACLS, CREATE_ACLS,
     DELETE_ACLS, DELETE_RECORDS, OFFSET_DELETE, DESCRIBE_USER_SCRAM_CREDENTIALS, ALTER_USER_SCRAM_CREDENTIALS,
+    DESCRIBE_LOG_DIRS, ELECT_LEADERS, ALTER_PARTITION_REASSIGNMENTS, LIST_PARTITION_REASSIGNMENTS,
 )}
 
 

@@ -198,3 +198,32 @@ def test_manual_assignments_and_message_format_version_are_accepted(broker, topi
         py.close()
     assert len(admin.list_topics(timeout=10).topics[topic_name].partitions) == 5
     assert confluent_produce(broker.bootstrap, topic_name, [Rec(b"k", b"v")], partition=4) == [0]
+
+
+def test_replication_admin_apis_answer_for_brokers_without_replicas(broker, topic_name):
+    """DescribeLogDirs sizes the partitions this broker serves from their
+    manifests; no reassignment is ever in progress, one is refused with its
+    reason; every partition already has its leader (ElectLeaders)."""
+    from confluent_kafka import ElectionType, TopicPartition
+    from kafka import TopicPartition as KTopicPartition
+    from kafka.admin import KafkaAdminClient
+    from kafka.errors import InvalidReplicationAssignmentError
+
+    create_topic(broker.bootstrap, topic_name, partitions=2)
+    confluent_produce(broker.bootstrap, topic_name, [Rec(None, b"x" * 1000)] * 5, partition=1)
+    py = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    try:
+        [dirs] = py.describe_log_dirs({topic_name: [0, 1]})
+        [log_dir] = dirs["results"] if "results" in dirs else dirs["log_dirs"]
+        assert str(log_dir["log_dir"]).startswith("s3://")
+        [topic] = [t for t in log_dir["topics"] if t["name"] == topic_name]
+        sizes = {p["partition_index"]: p["partition_size"] for p in topic["partitions"]}
+        assert sizes[0] == 0 and sizes[1] > 5000, sizes
+        assert py.list_partition_reassignments() == {}
+        refused = py.alter_partition_reassignments({KTopicPartition(topic_name, 0): [1]})
+        assert refused[KTopicPartition(topic_name, 0)] is InvalidReplicationAssignmentError
+    finally:
+        py.close()
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    elected = admin.elect_leaders(ElectionType.PREFERRED, [TopicPartition(topic_name, 0)]).result(10)
+    assert [(tp.partition, err.code()) for tp, err in elected.items()] == [(0, ErrorCode.ELECTION_NOT_NEEDED)]
