@@ -57,7 +57,9 @@ TOPIC_CONFIGS: dict[str, ConfigDef] = {d.name: d for d in (
               "producers' timestamps are kept (CreateTime)"),
     ConfigDef("min.insync.replicas", INT, lambda c: "1", _int_at_least(1),
               "accepted for compatibility; S3 provides the durability"),
-    ConfigDef("compression.type", STRING, lambda c: "producer", _one_of("producer"),
+    ConfigDef("compression.type", STRING, lambda c: "producer",
+              lambda v: None if v == "producer" else "KafScale stores batches as producers compressed them and does "
+              "not recompress; set compression.type on the producer instead",
               "batches are stored as the producer compressed them"),
     ConfigDef("message.format.version", STRING, lambda c: "3.0-IV1", lambda v: None,
               "deprecated in Kafka 3; accepted and ignored as Kafka 3 does (batches are always v2)"),

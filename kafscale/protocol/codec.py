@@ -10,7 +10,8 @@ bytes uuid records), `[primitive]` for an array of primitives, or `[` / `{`
 opening a nested array-of-struct / struct block closed by `]` / `}` on its
 own line. Versions are `3+`, `3-12` or `5`; absent means all versions.
 `?` alone makes the field nullable in all its versions, `?10` from v10 on.
-`tag=N` makes it a tagged field (flexible versions only).
+`tag=N` makes it a tagged field (flexible versions only). A nullable struct
+is written after an int8 marker, -1 for null and 1 for present, as Kafka does.
 
 A Message compiles, per version, a list of steps; decode turns bytes into
 plain dicts with snake_case keys (every field of the schema is present, with
@@ -42,6 +43,7 @@ _PRIMS = {
     "uint16": struct.Struct(">H"),
     "float64": struct.Struct(">d"),
 }
+_I8 = _PRIMS["int8"]
 _I16 = _PRIMS["int16"]
 _I32 = _PRIMS["int32"]
 MAX_VERSION = 0x7FFF
@@ -311,6 +313,8 @@ class _StructCodec:
             child = self.children[f.name]
             return [child.decode(r) for _ in range(n)]
         if t == "struct":
+            if f.nullable(self.version) and r.prim(_I8) < 0:  # a nullable struct: -1 null, 1 present
+                return None
             return self.children[f.name].decode(r)
         raise DecodeError(f"unknown type {t}")
 
@@ -402,6 +406,10 @@ class _StructCodec:
                 for v in value:
                     child.encode(w, v)
         elif t == "struct":
+            if f.nullable(self.version):
+                w.write(b"\xff" if value is None else b"\x01")
+                if value is None:
+                    return
             self.children[f.name].encode(w, value)
         else:
             raise ValueError(f"unknown type {t}")

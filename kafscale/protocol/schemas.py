@@ -849,6 +849,41 @@ topics: [
 ]
 """)
 
+DESCRIBE_TOPIC_PARTITIONS = _api(75, "DescribeTopicPartitions", (0, 0), 0, """
+topics: [
+  name: string
+]
+response_partition_limit: int32
+cursor: { ?
+  topic_name: string
+  partition_index: int32
+}
+""", """
+throttle_time_ms: int32
+topics: [
+  error_code: int16
+  name: string ?
+  topic_id: uuid
+  is_internal: bool
+  partitions: [
+    error_code: int16
+    partition_index: int32
+    leader_id: int32
+    leader_epoch: int32 default=-1
+    replica_nodes: [int32]
+    isr_nodes: [int32]
+    eligible_leader_replicas: [int32] ?
+    last_known_elr: [int32] ?
+    offline_replicas: [int32]
+  ]
+  topic_authorized_operations: int32 default=-2147483648
+]
+next_cursor: { ?
+  topic_name: string
+  partition_index: int32
+}
+""")
+
 APIS: dict[int, Api] = {a.key: a for a in (
     PRODUCE, FETCH, LIST_OFFSETS, METADATA, OFFSET_COMMIT, OFFSET_FETCH, FIND_COORDINATOR, JOIN_GROUP, HEARTBEAT,
     LEAVE_GROUP, SYNC_GROUP, DESCRIBE_GROUPS, LIST_GROUPS, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS,
@@ -856,6 +891,7 @@ APIS: dict[int, Api] = {a.key: a for a in (
     INCREMENTAL_ALTER_CONFIGS, DESCRIBE_CLUSTER, SASL_HANDSHAKE, SASL_AUTHENTICATE, DESCRIBE_ACLS, CREATE_ACLS,
     DELETE_ACLS, DELETE_RECORDS, OFFSET_DELETE, DESCRIBE_USER_SCRAM_CREDENTIALS, ALTER_USER_SCRAM_CREDENTIALS,
     DESCRIBE_LOG_DIRS, ELECT_LEADERS, ALTER_PARTITION_REASSIGNMENTS, LIST_PARTITION_REASSIGNMENTS,
+    DESCRIBE_TOPIC_PARTITIONS,
 )}
 
 

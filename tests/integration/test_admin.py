@@ -227,3 +227,31 @@ def test_replication_admin_apis_answer_for_brokers_without_replicas(broker, topi
     admin = AdminClient({"bootstrap.servers": broker.bootstrap})
     elected = admin.elect_leaders(ElectionType.PREFERRED, [TopicPartition(topic_name, 0)]).result(10)
     assert [(tp.partition, err.code()) for tp, err in elected.items()] == [(0, ErrorCode.ELECTION_NOT_NEEDED)]
+
+
+def test_describe_topic_partitions_pages_with_a_cursor(broker, topic_name):
+    """DescribeTopicPartitions (KIP-966, kafka-python): pages of at most the
+    requested number of partitions, across topics in name order, with a cursor."""
+    from kafka.admin import KafkaAdminClient
+
+    create_topic(broker.bootstrap, f"{topic_name}-a", partitions=3)
+    create_topic(broker.bootstrap, f"{topic_name}-b", partitions=2)
+    py = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    try:
+        seen, cursor, pages = [], None, 0
+        while True:
+            page = py.describe_topic_partitions([f"{topic_name}-b", f"{topic_name}-a"], response_partition_limit=2,
+                                                cursor=cursor)
+            pages += 1
+            for t in page["topics"]:
+                assert t["error_code"] == 0 and t["topic_authorized_operations"] > 0
+                seen += [(t["name"], p["partition_index"], p["leader_id"]) for p in t["partitions"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert pages == 3
+        assert seen == [(f"{topic_name}-a", p, 1) for p in range(3)] + [(f"{topic_name}-b", p, 1) for p in range(2)]
+        [missing] = py.describe_topic_partitions([f"{topic_name}-none"])["topics"]
+        assert missing["error_code"] == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+    finally:
+        py.close()

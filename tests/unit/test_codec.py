@@ -179,3 +179,15 @@ def test_error_codes_are_in_numeric_order_and_know_which_are_retriable():
     assert list(ErrorCode) == sorted(ErrorCode)
     assert ErrorCode.NOT_LEADER_OR_FOLLOWER.retriable and ErrorCode.REQUEST_TIMED_OUT.retriable
     assert not ErrorCode.TOPIC_AUTHORIZATION_FAILED.retriable and not ErrorCode.INVALID_RECORD.retriable
+
+
+def test_a_nullable_struct_carries_a_marker_byte():
+    """Kafka writes -1 before a null struct and 1 before a present one (DescribeTopicPartitions' cursor)."""
+    from kafscale.protocol.schemas import DESCRIBE_TOPIC_PARTITIONS as DTP
+
+    null = encode(DTP.request, {"topics": [{"name": "a"}], "response_partition_limit": 10, "cursor": None}, 0)
+    assert null == bytes.fromhex("02" "0261" "00" "0000000a" "ff" "00")
+    present = {"topics": [], "response_partition_limit": 5, "cursor": {"topic_name": "b", "partition_index": 7}}
+    data = encode(DTP.request, present, 0)
+    assert data == bytes.fromhex("01" "00000005" "01" "0262" "00000007" "00" "00")
+    assert DTP.request.decode(memoryview(data), 0) == (present, len(data))
