@@ -96,10 +96,16 @@ class AdminApi(PartitionApi):
 
     def _broker_configs(self) -> dict[str, str]:
         cfg = self.cfg
+        host, port = cfg.advertised_addr()
         return {"broker.id": str(cfg.node_id), "auto.create.topics.enable": str(cfg.auto_create_topics).lower(),
                 "num.partitions": str(cfg.default_partitions), "message.max.bytes": str(cfg.max_message_bytes),
                 "socket.request.max.bytes": str(cfg.max_request_bytes), "log.segment.bytes": str(cfg.segment_bytes),
-                "group.initial.rebalance.delay.ms": str(cfg.group_initial_rebalance_delay_ms)}
+                "group.initial.rebalance.delay.ms": str(cfg.group_initial_rebalance_delay_ms),
+                "advertised.listeners": f"{'SSL' if cfg.tls_cert else 'PLAINTEXT'}://{host}:{port}",
+                "log.retention.ms": topic_config.TOPIC_CONFIGS["retention.ms"].default(cfg),
+                "log.retention.bytes": topic_config.TOPIC_CONFIGS["retention.bytes"].default(cfg),
+                "default.replication.factor": "1", "min.insync.replicas": "1",
+                "log.dirs": f"s3://{cfg.bucket}/{cfg.namespace}"}
 
     async def alter_configs(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         """Non-incremental: the given set replaces the topic's configs."""

@@ -255,3 +255,23 @@ def test_describe_topic_partitions_pages_with_a_cursor(broker, topic_name):
         assert missing["error_code"] == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
     finally:
         py.close()
+
+
+def test_broker_configs_are_described(broker):
+    """DescribeConfigs of a broker resource lists its settings, read-only (kafka-python and librdkafka)."""
+    from kafka.admin import ConfigResource as KConfigResource
+    from kafka.admin import ConfigResourceType, KafkaAdminClient
+
+    res = ConfigResource(ConfigResource.Type.BROKER, "1")
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    entries = admin.describe_configs([res])[res].result(10)
+    assert entries["broker.id"].value == "1" and entries["broker.id"].is_read_only
+    assert entries["advertised.listeners"].value == f"PLAINTEXT://{broker.bootstrap}"
+    assert entries["log.dirs"].value.startswith("s3://")
+    py = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    try:
+        # kafka-python shows only modified configs unless asked: static ones need config_filter="all"
+        resp = py.describe_configs([KConfigResource(ConfigResourceType.BROKER, "1")], config_filter="all")
+        assert "log.retention.ms" in repr(resp) and "num.partitions" in repr(resp), resp
+    finally:
+        py.close()
