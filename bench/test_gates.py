@@ -12,7 +12,6 @@ the measured step and averaged, so drift during a run cancels out."""
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import struct
 import tempfile
@@ -61,17 +60,6 @@ def gate(benchmark: Any, name: str, baseline: Callable[[], float], fn: Callable[
     assert ratio >= floor, (
         f"performance gate {name} failed: {what} = {ratio:.2f}, floor {floor} (baseline {base * 1e6:.1f} us, "
         f"measured {measured * 1e6:.1f} us); reproduce: python -m pytest bench/test_gates.py -k {name}")
-
-
-@pytest.fixture(scope="module")
-def buf() -> bytes:
-    return os.urandom(MIB)
-
-
-@pytest.fixture(scope="module")
-def batch_1mib() -> bytes:
-    """One uncompressed RecordBatch of ~1 MiB: 1000 records of 1 KiB."""
-    return _native.build_batch([(1_700_000_000_000 + i, b"key-%d" % i, os.urandom(1024), []) for i in range(1000)])
 
 
 def test_crc32c(benchmark, buf):

@@ -6,7 +6,6 @@ Each case records GB/s in extra_info; zlib.crc32 (CRC-32, not CRC32C) on the
 same bytes is the in-run baseline."""
 from __future__ import annotations
 
-import os
 import zlib
 
 import pytest
@@ -14,17 +13,6 @@ import pytest
 from kafscale import _native
 
 MIB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def buf() -> bytes:
-    return os.urandom(MIB)
-
-
-@pytest.fixture(scope="module")
-def batch_1mib() -> bytes:
-    """One uncompressed RecordBatch of ~1 MiB: 1000 records of 1 KiB."""
-    return _native.build_batch([(1_700_000_000_000 + i, b"key-%d" % i, os.urandom(1024), []) for i in range(1000)])
 
 
 def _gbps(benchmark, nbytes: int) -> None:
