@@ -136,7 +136,7 @@ topics: [
 ]
 """)
 
-METADATA = _api(3, "Metadata", (0, 12), 9, """
+METADATA = _api(3, "Metadata", (0, 13), 9, """
 topics: [ ?1
   topic_id: uuid 10+
   name: string ?10
@@ -171,6 +171,7 @@ topics: [
   topic_authorized_operations: int32 8+ default=-2147483648
 ]
 cluster_authorized_operations: int32 8-10 default=-2147483648
+error_code: int16 13+
 """)
 
 API_VERSIONS = _api(18, "ApiVersions", (0, 3), 3, """
