@@ -233,6 +233,11 @@ class Cluster:
         return await self.node(c["node_id"])
 
 
+def offset_fetch_topics(resp: dict[str, Any]) -> list[dict[str, Any]]:
+    """The topics of an OffsetFetch response for one group (v8+ nests them under `groups`)."""
+    return resp["groups"][0]["topics"] if resp.get("groups") else resp["topics"]
+
+
 def decode_assignment(blob: bytes) -> dict[str, list[int]]:
     if not blob:
         return {}

@@ -23,6 +23,7 @@ from kafscale.client import (
     decode_subscription,
     encode_assignment,
     encode_subscription,
+    offset_fetch_topics,
 )
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode, KafkaError
@@ -309,7 +310,7 @@ class GroupMember:
         resp = await self._call(schemas.OFFSET_FETCH, {
             "group_id": self.group, "require_stable": False, "topics": [{"name": topic, "partition_indexes": parts}],
             "groups": [{"group_id": self.group, "topics": [{"name": topic, "partition_indexes": parts}]}]})
-        topics = resp["groups"][0]["topics"] if resp.get("groups") else resp["topics"]
+        topics = offset_fetch_topics(resp)
         return {p["partition_index"]: p["committed_offset"] for t in topics for p in t["partitions"]
                 if p["committed_offset"] >= 0}
 

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from kafscale import _native
-from kafscale.client import Cluster, decode_assignment
+from kafscale.client import Cluster, decode_assignment, offset_fetch_topics
 from kafscale.lifecycle import stop_on_signals
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import KafkaError
@@ -106,7 +106,7 @@ async def describe_group(c: Cluster, group: str) -> dict[str, Any]:
     owner = {(t, p): m for m in members for t, parts in m["assignment"].items() for p in parts}
     resp = await coordinator.request(schemas.OFFSET_FETCH.key, {"group_id": group, "topics": None,
                                                                 "groups": [{"group_id": group, "topics": None}]})
-    topics = resp["groups"][0]["topics"] if resp.get("groups") else resp["topics"]
+    topics = offset_fetch_topics(resp)
     committed = {(t["name"], p["partition_index"]): p["committed_offset"] for t in topics for p in t["partitions"]}
     keys = sorted(set(committed) | set(owner))
     wanted: dict[str, list[int]] = {}

@@ -7,7 +7,6 @@ from typing import Any
 from kafscale.broker.context import RequestContext
 from kafscale.broker.partitions import PartitionApi
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
@@ -180,7 +179,7 @@ class AdminApi(PartitionApi):
             for p in t["partitions"]:
                 r = {"error_code": 0, "partition": p["partition"], "leader_epoch": -1, "end_offset": -1}
                 parts.append(r)
-                r["error_code"] = self.describe_refusal(hdr, t["topic"], meta, p["partition"])
+                r["error_code"] = self.partition_refusal(hdr, Operation.DESCRIBE, t["topic"], meta, p["partition"])
                 if r["error_code"] or meta is None:
                     continue
                 if p["current_leader_epoch"] > 0:
@@ -207,11 +206,8 @@ class AdminApi(PartitionApi):
             for p in t["partitions"]:
                 r = {"partition_index": p["partition_index"], "low_watermark": -1, "error_code": 0}
                 parts.append(r)
-                if not self.access.allowed(hdr, Operation.DELETE, ResourceType.TOPIC, t["name"]):
-                    r["error_code"] = ErrorCode.TOPIC_AUTHORIZATION_FAILED
-                    continue
-                if not has_partition(meta, p["partition_index"]):
-                    r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+                r["error_code"] = self.partition_refusal(hdr, Operation.DELETE, t["name"], meta, p["partition_index"])
+                if r["error_code"] or meta is None:
                     continue
                 try:
                     lg = await self.partitions.partition_log(meta.name, p["partition_index"])

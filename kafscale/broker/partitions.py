@@ -237,9 +237,10 @@ class PartitionApi:
         self.access = access
         self.handlers: dict[int, Handler] = {key: getattr(self, name) for key, name in self.ROUTES.items()}
 
-    def describe_refusal(self, hdr: RequestContext, topic: str, meta: TopicMeta | None, p: int) -> ErrorCode:
-        """Why partition p of topic may not be described to this client (NONE: it may)."""
-        if not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, topic):
+    def partition_refusal(self, hdr: RequestContext, op: Operation, topic: str, meta: TopicMeta | None,
+                          p: int) -> ErrorCode:
+        """Why this client may not do op on partition p of topic (NONE: it may)."""
+        if not self.access.allowed(hdr, op, ResourceType.TOPIC, topic):
             return ErrorCode.TOPIC_AUTHORIZATION_FAILED
         if not has_partition(meta, p):
             return ErrorCode.UNKNOWN_TOPIC_OR_PARTITION

@@ -141,7 +141,7 @@ class TopicApi(PartitionApi):
                 r = {"partition_index": p["partition_index"], "error_code": 0, "old_style_offsets": [],
                      "timestamp": -1, "offset": -1, "leader_epoch": 0}
                 parts.append(r)
-                r["error_code"] = self.describe_refusal(hdr, t["name"], meta, p["partition_index"])
+                r["error_code"] = self.partition_refusal(hdr, Operation.DESCRIBE, t["name"], meta, p["partition_index"])
                 if r["error_code"] or meta is None:
                     continue
                 try:
