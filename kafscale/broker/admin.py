@@ -13,7 +13,7 @@ from kafscale.security.acl import CLUSTER, Operation, ResourceType
 from kafscale.storage.partition import LogError
 
 RESOURCE_TOPIC, RESOURCE_BROKER = 2, 4
-SOURCE_TOPIC, SOURCE_STATIC_BROKER, SOURCE_DEFAULT = 1, 4, 5
+SOURCE_TOPIC, SOURCE_DYNAMIC_DEFAULT_BROKER, SOURCE_STATIC_BROKER, SOURCE_DEFAULT = 1, 3, 4, 5
 OP_SET, OP_DELETE, OP_APPEND, OP_SUBTRACT = 0, 1, 2, 3
 MAX_PARTITIONS = 10000
 
@@ -71,16 +71,19 @@ class AdminApi(PartitionApi):
                     r["error_code"] = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
                     r["error_message"] = f"unknown topic {res['resource_name']}"
                     continue
-                for name, (value, is_default) in topic_config.effective(meta.config, self.cfg).items():
+                for name, (value, is_default) in topic_config.effective(meta.config, self.partitions.defaults).items():
                     if keys is None or name in keys:
                         d = topic_config.TOPIC_CONFIGS[name]
                         r["configs"].append(self._entry(name, value, is_default, False, d.type, d.doc,
                                                         SOURCE_DEFAULT if is_default else SOURCE_TOPIC))
             elif res["resource_type"] == RESOURCE_BROKER:
+                dynamic = self.partitions.defaults.dynamic
                 for name, value in self._broker_configs().items():
                     if keys is None or name in keys:
-                        r["configs"].append(self._entry(name, value, False, True, topic_config.STRING, None,
-                                                        SOURCE_STATIC_BROKER))
+                        d = topic_config.DYNAMIC_BROKER_CONFIGS.get(name)
+                        source = SOURCE_DYNAMIC_DEFAULT_BROKER if name in dynamic else SOURCE_STATIC_BROKER
+                        r["configs"].append(self._entry(name, value, False, d is None, d.type if d else
+                                                        topic_config.STRING, d.doc if d else None, source))
             else:
                 r["error_code"] = ErrorCode.INVALID_REQUEST
                 r["error_message"] = f"resource type {res['resource_type']} is not supported"
@@ -97,14 +100,12 @@ class AdminApi(PartitionApi):
         cfg = self.cfg
         host, port = cfg.advertised_addr()
         return {"broker.id": str(cfg.node_id), "auto.create.topics.enable": str(cfg.auto_create_topics).lower(),
-                "num.partitions": str(cfg.default_partitions), "message.max.bytes": str(cfg.max_message_bytes),
-                "socket.request.max.bytes": str(cfg.max_request_bytes), "log.segment.bytes": str(cfg.segment_bytes),
+                "socket.request.max.bytes": str(cfg.max_request_bytes),
                 "group.initial.rebalance.delay.ms": str(cfg.group_initial_rebalance_delay_ms),
                 "advertised.listeners": f"{'SSL' if cfg.tls_cert else 'PLAINTEXT'}://{host}:{port}",
-                "log.retention.ms": topic_config.TOPIC_CONFIGS["retention.ms"].default(cfg),
-                "log.retention.bytes": topic_config.TOPIC_CONFIGS["retention.bytes"].default(cfg),
                 "default.replication.factor": "1", "min.insync.replicas": "1",
-                "log.dirs": f"s3://{cfg.bucket}/{cfg.namespace}"}
+                "log.dirs": f"s3://{cfg.bucket}/{cfg.namespace}",
+                **{name: self.partitions.defaults.broker(name) for name in topic_config.DYNAMIC_BROKER_CONFIGS}}
 
     async def alter_configs(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         """Non-incremental: the given set replaces the topic's configs."""
@@ -148,9 +149,12 @@ class AdminApi(PartitionApi):
             if refused:
                 r["error_code"], r["error_message"] = refused
                 continue
+            if res["resource_type"] == RESOURCE_BROKER:
+                r["error_code"], r["error_message"] = await self._alter_brokers(res, apply, req["validate_only"])
+                continue
             if res["resource_type"] != RESOURCE_TOPIC:
                 r["error_code"] = ErrorCode.INVALID_REQUEST
-                r["error_message"] = "only topic configs can be altered; broker settings are static"
+                r["error_message"] = f"resource type {res['resource_type']} has no configs to alter"
                 continue
             meta = await self.partitions.topic(res["resource_name"])
             if meta is None:
@@ -167,6 +171,32 @@ class AdminApi(PartitionApi):
             elif not req["validate_only"]:
                 await self.partitions.apply_topic_meta(await self.meta.update_topic(meta.name, config=new))
         return {"throttle_time_ms": 0, "responses": out}
+
+    async def _alter_brokers(self, res: dict[str, Any], apply: Any, validate_only: bool
+                             ) -> tuple[ErrorCode, str | None]:
+        """KafScale brokers share one configuration: a change to the cluster
+        default (an empty broker name) or to any live broker applies to every
+        broker, through etcd."""
+        name = res["resource_name"]
+        if name and name not in {str(b) for b, _, _ in await self.meta.list_brokers()}:
+            return ErrorCode.INVALID_REQUEST, f"no live broker {name!r} (an empty name is the cluster default)"
+
+        def change(current: dict[str, str]) -> dict[str, str]:
+            new = apply(current, res["configs"])
+            for k, v in new.items():
+                err = topic_config.broker_config_error(k, v)
+                if err:
+                    raise LogError(ErrorCode.INVALID_CONFIG, err)
+            return new
+        try:
+            if validate_only:
+                change(await self.meta.cluster_configs())
+            else:
+                await self.meta.update_cluster_configs(change)
+                await self.partitions.refresh_defaults()
+        except LogError as exc:
+            return exc.code, str(exc)
+        return ErrorCode.NONE, None
 
     # ------------------------------------------------------------ the rest
     async def offset_for_leader_epoch(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
@@ -228,7 +258,8 @@ class AdminApi(PartitionApi):
         brokers = await self.meta.list_brokers()
         resp = {"throttle_time_ms": 0, "error_code": 0, "cluster_id": self.cfg.cluster,
                 "controller_id": self.cfg.node_id,
-                "brokers": [{"broker_id": b, "host": h, "port": p, "rack": None} for b, h, p in brokers]}
+                "brokers": [{"broker_id": b, "host": h, "port": p, "rack": None, "is_fenced": False}
+                            for b, h, p in brokers]}
         if req.get("include_cluster_authorized_operations"):
             resp["cluster_authorized_operations"] = self.access.operations(hdr, ResourceType.CLUSTER, CLUSTER)
         return resp

@@ -43,7 +43,8 @@ class Broker:
         self.produce_api = ProduceApi(cfg, meta, self.partitions, self.access)
         self.handlers: dict[int, Handler] = {}
         for api in (TopicApi(cfg, meta, self.partitions, self.access), self.produce_api,
-                    GroupApi(self.groups, self.cluster, self.partitions.topic, self.access.allowed),
+                    GroupApi(self.groups, self.cluster, self.partitions.topic, self.partitions.topic_by_id,
+                             self.access.allowed),
                     AdminApi(cfg, meta, self.partitions, self.access), AclApi(meta, self.access),
                     UserApi(meta, self.access), ReplicaApi(cfg, meta, self.partitions, self.access)):
             self.handlers.update(api.handlers)
@@ -52,6 +53,7 @@ class Broker:
     async def start(self, lease: Any) -> None:
         self.partitions.lease = lease
         await self.cluster.refresh()
+        await self.partitions.refresh_defaults()
         await self.groups.start()
         self._tasks = [asyncio.create_task(self.partitions.watch_topics(), name="topic watch"),
                        asyncio.create_task(self.partitions.retention_loop(), name="retention"),
@@ -71,11 +73,13 @@ class Broker:
 
     async def _balance_loop(self) -> None:
         """Follow membership: hand partitions and groups to the broker that
-        should have them now (a broker joined), after flushing what is queued."""
+        should have them now (a broker joined), after flushing what is queued;
+        and adopt the dynamic broker configs."""
         while True:
             await asyncio.sleep(self.cfg.balance_interval_ms / 1000)
             try:
                 await self.cluster.refresh()
+                await self.partitions.refresh_defaults()
                 await self.partitions.hand_over_misplaced()
                 await self.groups.evict(lambda g: self.cluster.coordinator_for(g) != self.cfg.node_id)
             except Exception as exc:

@@ -46,6 +46,17 @@ class PartitionRegistry:
         self.topics = TopicCache()
         self.lease: Any = None  # our etcd lease: partition ownership hangs on it
         self.closing = False  # shutting down: no partition is opened any more
+        self.defaults = topic_config.Defaults(cfg)  # re-read by refresh_defaults
+
+    async def refresh_defaults(self) -> None:
+        """Adopt the dynamic broker configs another broker may have changed."""
+        dynamic = await self.meta.cluster_configs()
+        if dynamic != self.defaults.dynamic:
+            self.defaults.dynamic = dynamic
+            for (name, _), lg in self.logs.items():
+                meta = self.topics.get(name)
+                if meta is not None:
+                    self._configure(lg, meta)
 
     # ----------------------------------------------------------------- topics
     async def topic(self, name: str, auto_create: bool = False) -> TopicMeta | None:
@@ -54,7 +65,7 @@ class PartitionRegistry:
             meta = await self.meta.get_topic(name)
             if meta is None and auto_create and self.cfg.auto_create_topics and topic_name_error(name) is None:
                 try:
-                    meta = await self.meta.create_topic(name, self.cfg.default_partitions, {})
+                    meta = await self.meta.create_topic(name, self.defaults.partitions, {})
                     log.info("auto-created topic %s", name)
                 except TopicExists:
                     meta = await self.meta.get_topic(name)
@@ -75,7 +86,7 @@ class PartitionRegistry:
                 self._configure(lg, meta)
 
     def _configure(self, lg: PartitionLog, meta: TopicMeta) -> None:
-        lg.segment_bytes = topic_config.value(meta.config, "segment.bytes", self.cfg)
+        lg.segment_bytes = topic_config.value(meta.config, "segment.bytes", self.defaults)
 
     async def forget_topic(self, name: str) -> None:
         """Close a deleted topic's open logs and drop it from the cache."""
@@ -212,8 +223,8 @@ class PartitionRegistry:
         now_ms = int(time.time() * 1000)
         for meta in await self.meta.list_topics():
             self.topics.put(meta)
-            ms = topic_config.value(meta.config, "retention.ms", self.cfg)
-            size = topic_config.value(meta.config, "retention.bytes", self.cfg)
+            ms = topic_config.value(meta.config, "retention.ms", self.defaults)
+            size = topic_config.value(meta.config, "retention.bytes", self.defaults)
             if ms < 0 and size < 0:
                 continue
             for p in range(meta.partitions):

@@ -60,7 +60,7 @@ class ProduceApi(PartitionApi):
                             raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{td['name']}/{pd['index']}")
                         payload, release = accepted
                         batches = _native.scan_batches(payload)
-                        limit = topic_config.value(meta.config, "max.message.bytes", self.cfg)
+                        limit = topic_config.value(meta.config, "max.message.bytes", self.partitions.defaults)
                         if any(b.size > limit for b in batches):
                             raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
                         lg = await self.partitions.partition_log(meta.name, pd["index"])

@@ -62,7 +62,8 @@ class ReplicaApi(PartitionApi):
                      "is_future_key": False} for p in mine]})
         log_dir = f"s3://{self.cfg.bucket}/{self.cfg.namespace}"
         return {"throttle_time_ms": 0, "error_code": 0, "results": [
-            {"error_code": 0, "log_dir": log_dir, "topics": topics, "total_bytes": -1, "usable_bytes": -1}]}
+            {"error_code": 0, "log_dir": log_dir, "topics": topics, "total_bytes": -1, "usable_bytes": -1,
+             "is_cordoned": False}]}
 
     async def list_reassignments(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         refusal = self._cluster_refusal(hdr, Operation.DESCRIBE)

@@ -11,7 +11,7 @@ from kafscale.metadata.store import TopicExists, TopicMeta, unavailable
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.types import EARLIEST, LATEST, MAX_TIMESTAMP
+from kafscale.protocol.types import EARLIEST, EARLIEST_LOCAL, LATEST, LATEST_TIERED, MAX_TIMESTAMP
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
 from kafscale.storage.partition import LogError
 
@@ -152,8 +152,10 @@ class TopicApi(PartitionApi):
                 ts = p["timestamp"]
                 if ts == LATEST:
                     r["offset"] = lg.hw
-                elif ts == EARLIEST:
+                elif ts in (EARLIEST, EARLIEST_LOCAL):  # a broker's storage is the object store
                     r["offset"] = lg.log_start
+                elif ts == LATEST_TIERED:  # every acknowledged record is in the object store
+                    r["offset"] = lg.hw - 1 if lg.hw > lg.log_start else -1
                 elif ts == MAX_TIMESTAMP:
                     r["offset"], r["timestamp"] = await lg.offset_of_max_timestamp()
                 elif ts < 0:
@@ -171,7 +173,7 @@ class TopicApi(PartitionApi):
             name = t["name"]
             assigned = sorted(t["assignments"], key=lambda a: a["partition_index"])
             n = t["num_partitions"]
-            n = len(assigned) if assigned else self.cfg.default_partitions if n == -1 else n
+            n = len(assigned) if assigned else self.partitions.defaults.partitions if n == -1 else n
             r = {"name": name, "topic_id": bytes(16), "error_code": 0, "error_message": None,
                  "num_partitions": n, "replication_factor": 1, "configs": []}
             out.append(r)

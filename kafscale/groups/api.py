@@ -5,7 +5,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kafscale.broker.context import RequestContext
-from kafscale.groups.coordinator import GroupCoordinator, GroupError, offset_record
+from kafscale.groups.coordinator import DEAD, GroupCoordinator, GroupError, offset_record
 from kafscale.metadata.store import TopicMeta, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
@@ -22,11 +22,13 @@ Allowed = Callable[[RequestContext, Operation, ResourceType, str], bool]
 
 class GroupApi:
     def __init__(self, coordinator: GroupCoordinator, cluster: Cluster,
-                 topic: Callable[[str], Awaitable[TopicMeta | None]], allowed: Allowed) -> None:
+                 topic: Callable[[str], Awaitable[TopicMeta | None]],
+                 topic_by_id: Callable[[bytes], Awaitable[TopicMeta | None]], allowed: Allowed) -> None:
         self.allowed = allowed
         self.coord = coordinator
         self.cluster = cluster
         self.topic = topic
+        self.topic_by_id = topic_by_id
         self.handlers = {
             schemas.FIND_COORDINATOR.key: self.find_coordinator,
             schemas.JOIN_GROUP.key: self.join_group,
@@ -118,15 +120,29 @@ class GroupApi:
                 "members": [{"member_id": mid, "group_instance_id": inst, "error_code": code}
                             for (mid, inst), code in zip(who, codes, strict=True)]}
 
+    async def _named(self, topics: list[dict[str, Any]], by_id: bool) -> list[TopicMeta | None]:
+        """Each request topic's metadata, found by name or, from OffsetCommit/OffsetFetch
+        v10, by topic id; then its name is filled in (empty when the id is unknown)."""
+        found = []
+        for t in topics:
+            meta = await self.topic_by_id(t["topic_id"]) if by_id else await self.topic(t["name"])
+            if by_id:
+                t["name"] = meta.name if meta else ""
+            found.append(meta)
+        return found
+
     async def offset_commit(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         results: dict[tuple[str, int], ErrorCode] = {}
         offsets = {}
         group_ok = self.allowed(hdr, Operation.READ, ResourceType.GROUP, req["group_id"])
-        for t in req["topics"]:
-            meta = await self.topic(t["name"])
+        by_id = hdr.api_version >= 10
+        for t, meta in zip(req["topics"], await self._named(req["topics"], by_id), strict=True):
             topic_ok = self.allowed(hdr, Operation.READ, ResourceType.TOPIC, t["name"])
             for p in t["partitions"]:
                 key = (t["name"], p["partition_index"])
+                if meta is None and by_id:
+                    results[key] = ErrorCode.UNKNOWN_TOPIC_ID
+                    continue
                 if not group_ok:
                     results[key] = ErrorCode.GROUP_AUTHORIZATION_FAILED
                     continue
@@ -150,9 +166,10 @@ class GroupApi:
             except GroupError as exc:
                 results.update(dict.fromkeys(offsets, exc.code))
         return {"throttle_time_ms": 0, "topics": [
-            {"name": t["name"], "partitions": [{"partition_index": p["partition_index"],
-                                                "error_code": results[(t["name"], p["partition_index"])]}
-                                               for p in t["partitions"]]} for t in req["topics"]]}
+            {"name": t["name"], "topic_id": t.get("topic_id", bytes(16)),
+             "partitions": [{"partition_index": p["partition_index"],
+                             "error_code": results[(t["name"], p["partition_index"])]} for p in t["partitions"]]}
+            for t in req["topics"]]}
 
     async def offset_delete(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         """Delete on the group, Read on each topic (as in Kafka)."""
@@ -184,26 +201,36 @@ class GroupApi:
 
     async def _fetch_group(self, hdr: RequestContext, group_id: str, topics: list[dict[str, Any]] | None
                            ) -> list[dict[str, Any]]:
+        """The group's committed offsets for the topics asked (all it committed when
+        None); from v10 topics go by id, and an unknown id answers UNKNOWN_TOPIC_ID."""
         self._mine(hdr, Operation.DESCRIBE, group_id)
         committed = await self.coord.fetch_offsets(group_id)
+        by_id = hdr.api_version >= 10
         if topics is None:  # every committed partition the principal may see
             wanted: dict[str, list[int]] = {}
             for t, p in sorted(committed):
                 if self.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, t):
                     wanted.setdefault(t, []).append(p)
+            asked = [{"name": t, "partition_indexes": ps} for t, ps in wanted.items()]
+            metas = [await self.topic(t) for t in wanted] if by_id else [None] * len(asked)
         else:
-            wanted = {t["name"]: t["partition_indexes"] for t in topics}
+            asked, metas = topics, await self._named(topics, by_id)
         out = []
-        for name, parts in wanted.items():
-            rows = []
-            denied = not self.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, name)
-            for p in parts:
-                c = None if denied else committed.get((name, p))
+        for t, meta in zip(asked, metas, strict=True):
+            name, rows = t["name"], []
+            code = ErrorCode.NONE
+            if by_id and meta is None:
+                code = ErrorCode.UNKNOWN_TOPIC_ID
+            elif not self.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, name):
+                code = ErrorCode.TOPIC_AUTHORIZATION_FAILED
+            for p in t["partition_indexes"]:
+                c = None if code else committed.get((name, p))
                 rows.append({"partition_index": p, "committed_offset": c["offset"] if c else -1,
                              "committed_leader_epoch": c["leader_epoch"] if c else -1,
-                             "metadata": c["metadata"] if c else "",
-                             "error_code": ErrorCode.TOPIC_AUTHORIZATION_FAILED if denied else 0})
+                             "metadata": c["metadata"] if c else "", "error_code": code})
             out.append({"name": name, "partitions": rows})
+            if by_id:  # (the v0-v7 topics have no topic_id)
+                out[-1]["topic_id"] = meta.id if meta else t["topic_id"]
         return out
 
     async def offset_fetch(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
@@ -228,13 +255,15 @@ class GroupApi:
             try:
                 self._mine(hdr, Operation.DESCRIBE, g)
                 desc = await self.coord.describe(g)
+                if hdr.api_version >= 6 and desc["group_state"] == DEAD:  # KIP-1043
+                    raise GroupError(ErrorCode.GROUP_ID_NOT_FOUND, f"group {g} does not exist")
                 if req.get("include_authorized_operations"):
                     desc["authorized_operations"] = authorized_operations(
                         lambda op, gid=g: self.allowed(hdr, op, ResourceType.GROUP, gid), ResourceType.GROUP)
                 out.append(desc)
             except GroupError as exc:
-                out.append({"error_code": exc.code, "group_id": g, "group_state": "", "protocol_type": "",
-                            "protocol_data": "", "members": []})
+                out.append({"error_code": exc.code, "error_message": str(exc), "group_id": g, "group_state": "",
+                            "protocol_type": "", "protocol_data": "", "members": []})
         return {"throttle_time_ms": 0, "groups": out}
 
     async def list_groups(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:

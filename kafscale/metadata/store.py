@@ -23,7 +23,7 @@ import asyncio
 import json
 import random
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeGuard
 
@@ -318,6 +318,24 @@ class MetaStore:
                                                   failure=[])
             if ok:
                 return meta
+
+    async def cluster_configs(self) -> dict[str, str]:
+        """The dynamic broker configs every broker applies (IncrementalAlterConfigs)."""
+        r = await self.client.get(self.k("config", "brokers"))
+        return json.loads(r.value) if r else {}
+
+    async def update_cluster_configs(self, change: Callable[[dict[str, str]], dict[str, str]]) -> dict[str, str]:
+        """Replace the dynamic broker configs by change(current), atomically against
+        concurrent updates (change may raise to refuse)."""
+        tx, key = self.client.transactions, self.k("config", "brokers")
+        async for _ in _cas_attempts("update of the dynamic broker configs"):
+            r = await self.client.get(key)
+            new = change(json.loads(r.value) if r else {})
+            compare = [tx.value(key) == r.value] if r else [tx.version(key) == 0]
+            ok, _ = await self.client.transaction(compare=compare, success=[tx.put(key, json.dumps(new).encode())],
+                                                  failure=[])
+            if ok:
+                return new
 
     async def set_log_start(self, topic: str, p: int, expected_raw: bytes, new_state: PartitionState,
                             dropped: list[int]) -> bytes:

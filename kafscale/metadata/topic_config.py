@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kafscale.config import Config
 
@@ -80,14 +80,58 @@ def validate(configs: dict[str, str | None]) -> str | None:
     return None
 
 
-def effective(configs: dict[str, str], cfg: Config) -> dict[str, tuple[str, bool]]:
+# The broker settings IncrementalAlterConfigs may change at run time, cluster-wide
+# (stored in etcd): each the default of a topic config, or of new topics' size.
+BROKER_TOPIC_DEFAULTS = {"log.retention.ms": "retention.ms", "log.retention.bytes": "retention.bytes",
+                         "log.segment.bytes": "segment.bytes", "message.max.bytes": "max.message.bytes"}
+NUM_PARTITIONS = "num.partitions"
+DYNAMIC_BROKER_CONFIGS = {**{b: TOPIC_CONFIGS[t] for b, t in BROKER_TOPIC_DEFAULTS.items()},
+                          NUM_PARTITIONS: ConfigDef(NUM_PARTITIONS, INT, lambda c: str(c.default_partitions),
+                                                    _int_at_least(1), "partitions of a topic created without a count")}
+
+
+def broker_config_error(name: str, value: str | None) -> str | None:
+    """Why a broker config cannot be set to value at run time, or None."""
+    d = DYNAMIC_BROKER_CONFIGS.get(name)
+    if d is None:
+        return (f"{name} cannot be changed at run time; dynamic broker configs are "
+                f"{', '.join(sorted(DYNAMIC_BROKER_CONFIGS))}")
+    if value is None:
+        return f"{name} needs a value"
+    err = d.check(value)
+    return f"{name}={value!r}: {err}" if err else None
+
+
+@dataclass
+class Defaults:
+    """What a topic that does not set a config gets: the broker's settings,
+    overridden cluster-wide by the dynamic broker configs in etcd."""
+    cfg: Config
+    dynamic: dict[str, str] = field(default_factory=dict)
+
+    def broker(self, name: str) -> str:
+        """A dynamic broker config's current value."""
+        return self.dynamic.get(name) or DYNAMIC_BROKER_CONFIGS[name].default(self.cfg)
+
+    def topic(self, name: str) -> str:
+        for broker_name, topic_name in BROKER_TOPIC_DEFAULTS.items():
+            if topic_name == name:
+                return self.broker(broker_name)
+        return TOPIC_CONFIGS[name].default(self.cfg)
+
+    @property
+    def partitions(self) -> int:
+        return int(self.broker(NUM_PARTITIONS))
+
+
+def effective(configs: dict[str, str], defaults: Defaults) -> dict[str, tuple[str, bool]]:
     """Every topic config with its value and whether that is the default."""
-    return {name: (configs[name], False) if name in configs else (d.default(cfg), True)
-            for name, d in TOPIC_CONFIGS.items()}
+    return {name: (configs[name], False) if name in configs else (defaults.topic(name), True)
+            for name in TOPIC_CONFIGS}
 
 
-def value(configs: dict[str, str], name: str, cfg: Config) -> int:
-    return int(configs.get(name) or TOPIC_CONFIGS[name].default(cfg))
+def value(configs: dict[str, str], name: str, defaults: Defaults) -> int:
+    return int(configs.get(name) or defaults.topic(name))
 
 
 _TOPIC_RE = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")

@@ -29,7 +29,7 @@ def _api(key: int, name: str, versions: tuple[int, int], flexible: int, request:
                Message(parse_schema(request), flexible), Message(parse_schema(response), flexible))
 
 
-PRODUCE = _api(0, "Produce", (3, 9), 9, """
+PRODUCE = _api(0, "Produce", (3, 12), 9, """
 transactional_id: string 3+ ?
 acks: int16
 timeout_ms: int32
@@ -59,7 +59,7 @@ responses: [
 throttle_time_ms: int32 1+
 """)
 
-FETCH = _api(1, "Fetch", (4, 13), 12, """
+FETCH = _api(1, "Fetch", (4, 17), 12, """
 cluster_id: string 12+ ? tag=0 default=null
 replica_id: int32 0-14 default=-1
 max_wait_ms: int32
@@ -109,7 +109,7 @@ responses: [
 ]
 """)
 
-LIST_OFFSETS = _api(2, "ListOffsets", (0, 7), 6, """
+LIST_OFFSETS = _api(2, "ListOffsets", (0, 10), 6, """
 replica_id: int32
 isolation_level: int8 2+
 topics: [
@@ -121,6 +121,7 @@ topics: [
     max_num_offsets: int32 0 default=1
   ]
 ]
+timeout_ms: int32 10+ default=0
 """, """
 throttle_time_ms: int32 2+
 topics: [
@@ -174,7 +175,7 @@ cluster_authorized_operations: int32 8-10 default=-2147483648
 error_code: int16 13+
 """)
 
-API_VERSIONS = _api(18, "ApiVersions", (0, 3), 3, """
+API_VERSIONS = _api(18, "ApiVersions", (0, 4), 3, """
 client_software_name: string 3+
 client_software_version: string 3+
 """, """
@@ -240,7 +241,7 @@ responses: [
 ]
 """)
 
-INIT_PRODUCER_ID = _api(22, "InitProducerId", (0, 4), 2, """
+INIT_PRODUCER_ID = _api(22, "InitProducerId", (0, 5), 2, """
 transactional_id: string ?
 transaction_timeout_ms: int32
 producer_id: int64 3+ default=-1
@@ -252,14 +253,15 @@ producer_id: int64 default=-1
 producer_epoch: int16
 """)
 
-OFFSET_COMMIT = _api(8, "OffsetCommit", (0, 9), 8, """
+OFFSET_COMMIT = _api(8, "OffsetCommit", (0, 10), 8, """
 group_id: string
 generation_id_or_member_epoch: int32 1+ default=-1
 member_id: string 1+
 group_instance_id: string 7+ ? default=null
 retention_time_ms: int64 2-4 default=-1
 topics: [
-  name: string
+  name: string 0-9
+  topic_id: uuid 10+
   partitions: [
     partition_index: int32
     committed_offset: int64
@@ -271,7 +273,8 @@ topics: [
 """, """
 throttle_time_ms: int32 3+
 topics: [
-  name: string
+  name: string 0-9
+  topic_id: uuid 10+
   partitions: [
     partition_index: int32
     error_code: int16
@@ -279,7 +282,7 @@ topics: [
 ]
 """)
 
-OFFSET_FETCH = _api(9, "OffsetFetch", (0, 9), 6, """
+OFFSET_FETCH = _api(9, "OffsetFetch", (0, 10), 6, """
 group_id: string 0-7
 topics: [ 0-7 ?2
   name: string
@@ -290,7 +293,8 @@ groups: [ 8+
   member_id: string 9+ ? default=null
   member_epoch: int32 9+ default=-1
   topics: [ ?8
-    name: string
+    name: string 8-9
+    topic_id: uuid 10+
     partition_indexes: [int32]
   ]
 ]
@@ -311,7 +315,8 @@ error_code: int16 2-7
 groups: [ 8+
   group_id: string
   topics: [
-    name: string
+    name: string 8-9
+    topic_id: uuid 10+
     partitions: [
       partition_index: int32
       committed_offset: int64
@@ -420,13 +425,14 @@ protocol_name: string 5+ ? default=null
 assignment: bytes
 """)
 
-DESCRIBE_GROUPS = _api(15, "DescribeGroups", (0, 5), 5, """
+DESCRIBE_GROUPS = _api(15, "DescribeGroups", (0, 6), 5, """
 groups: [string]
 include_authorized_operations: bool 3+
 """, """
 throttle_time_ms: int32 1+
 groups: [
   error_code: int16
+  error_message: string 6+ ? default=null
   group_id: string
   group_state: string
   protocol_type: string
@@ -577,9 +583,10 @@ resources: [
 validate_only: bool
 """, _ALTER_CONFIGS_RESPONSE)
 
-DESCRIBE_CLUSTER = _api(60, "DescribeCluster", (0, 1), 0, """
+DESCRIBE_CLUSTER = _api(60, "DescribeCluster", (0, 2), 0, """
 include_cluster_authorized_operations: bool
 endpoint_type: int8 1+ default=1
+include_fenced_brokers: bool 2+
 """, """
 throttle_time_ms: int32
 error_code: int16
@@ -592,6 +599,7 @@ brokers: [
   host: string
   port: int32
   rack: string ? default=null
+  is_fenced: bool 2+
 ]
 cluster_authorized_operations: int32 default=-2147483648
 """)
@@ -761,7 +769,7 @@ results: [
 ]
 """)
 
-DESCRIBE_LOG_DIRS = _api(35, "DescribeLogDirs", (0, 4), 2, """
+DESCRIBE_LOG_DIRS = _api(35, "DescribeLogDirs", (0, 5), 2, """
 topics: [ ?
   topic: string
   partitions: [int32]
@@ -783,6 +791,7 @@ results: [
   ]
   total_bytes: int64 4+ default=-1
   usable_bytes: int64 4+ default=-1
+  is_cordoned: bool 5+
 ]
 """)
 

@@ -1,6 +1,8 @@
 """Admin APIs through confluent-kafka's AdminClient and kafka-python's admin client."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import (
@@ -8,11 +10,12 @@ from confluent_kafka.admin import (
     AlterConfigOpType,
     ConfigEntry,
     ConfigResource,
+    ConfigSource,
     NewPartitions,
 )
 
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.schemas import OFFSET_FOR_LEADER_EPOCH
+from kafscale.protocol.schemas import INCREMENTAL_ALTER_CONFIGS, OFFSET_FOR_LEADER_EPOCH
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 from tests.integration.rawclient import RawClient
 
@@ -275,3 +278,69 @@ def test_broker_configs_are_described(broker):
         assert "log.retention.ms" in repr(resp) and "num.partitions" in repr(resp), resp
     finally:
         py.close()
+
+
+def test_dynamic_broker_configs_apply_cluster_wide(make_cluster, topic_name):
+    """IncrementalAlterConfigs/AlterConfigs on a broker resource (the cluster default or
+    any live broker) change the defaults of every broker, through etcd."""
+    from kafka.admin import ConfigResource as KConfigResource
+    from kafka.admin import ConfigResourceType, KafkaAdminClient, NewTopic
+
+    b1, b2 = make_cluster(2, balance_interval_ms=300)
+    admin1 = AdminClient({"bootstrap.servers": b1.bootstrap})
+    admin2 = AdminClient({"bootstrap.servers": b2.bootstrap})
+
+    def alter(admin: AdminClient, broker: str, *entries: ConfigEntry) -> None:
+        res = ConfigResource(ConfigResource.Type.BROKER, broker, incremental_configs=list(entries))
+        admin.incremental_alter_configs([res])[res].result(10)
+
+    def described(admin: AdminClient, broker: str) -> dict[str, ConfigEntry]:
+        res = ConfigResource(ConfigResource.Type.BROKER, broker)
+        return admin.describe_configs([res])[res].result(10)
+
+    alter(admin1, "1", ConfigEntry("num.partitions", "3", incremental_operation=AlterConfigOpType.SET),
+          ConfigEntry("log.retention.ms", "600000", incremental_operation=AlterConfigOpType.SET))
+    deadline = time.monotonic() + 10  # broker 2 adopts them at its next balancing pass
+    while described(admin2, "2")["num.partitions"].value != "3":
+        assert time.monotonic() < deadline, "broker 2 never saw the change"
+        time.sleep(0.2)
+    entry = described(admin2, "2")["log.retention.ms"]
+    assert entry.value == "600000" and not entry.is_read_only
+    assert entry.source == ConfigSource.DYNAMIC_DEFAULT_BROKER_CONFIG.value
+    assert described(admin2, "2")["broker.id"].is_read_only
+
+    py = KafkaAdminClient(bootstrap_servers=b2.bootstrap)
+    try:
+        py.create_topics([NewTopic(topic_name, num_partitions=-1, replication_factor=-1)])  # the broker default
+        assert len(py.describe_topics([topic_name])[0]["partitions"]) == 3
+        retention = topic_configs(admin1, topic_name)["retention.ms"]
+        assert (retention.value, retention.is_default) == ("600000", True)
+        # kafka-python's (non-incremental) AlterConfigs on broker 2 replaces the dynamic set, for broker 1 too
+        py.alter_configs([KConfigResource(ConfigResourceType.BROKER, "2", configs={"log.retention.ms": "120000"})],
+                         incremental=False)
+    finally:
+        py.close()
+    while described(admin1, "1")["log.retention.ms"].value != "120000":
+        assert time.monotonic() < deadline + 10
+        time.sleep(0.2)
+    assert described(admin1, "1")["num.partitions"].value == "1"  # back to the static setting
+    assert topic_configs(admin2, topic_name)["retention.ms"].value == "120000"
+
+    for broker, entry, code in (
+            ("1", ConfigEntry("broker.id", "5", incremental_operation=AlterConfigOpType.SET), ErrorCode.INVALID_CONFIG),
+            ("1", ConfigEntry("num.partitions", "0", incremental_operation=AlterConfigOpType.SET),
+             ErrorCode.INVALID_CONFIG)):
+        with pytest.raises(KafkaException) as exc:
+            alter(admin1, broker, entry)
+        assert exc.value.args[0].code() == code, (broker, entry.name)
+    assert described(admin1, "1")["log.retention.ms"].value == "120000"  # unchanged by the failures
+
+    # the cluster default, as `kafka-configs --entity-default` names it (an empty broker name),
+    # and a broker that is not live (librdkafka would wait for broker 9 to answer)
+    raw = RawClient(b1.bootstrap)
+    for name, code in (("", ErrorCode.NONE), ("9", ErrorCode.INVALID_REQUEST)):
+        body = {"validate_only": False, "resources": [{"resource_type": 4, "resource_name": name, "configs": [
+            {"name": "num.partitions", "config_operation": 0, "value": "2" if name == "" else "7"}]}]}
+        assert raw.request(INCREMENTAL_ALTER_CONFIGS.key, 1, body)["responses"][0]["error_code"] == code, name
+    raw.close()
+    assert described(admin1, "1")["num.partitions"].value == "2"

@@ -1,10 +1,24 @@
 """Every advertised version of the data-path APIs, byte-exact through our
-codec: Produce v3-v9, Fetch v4-v13 (topic ids from v13), Metadata v0-v12,
-ListOffsets v0-v7."""
+codec: Produce, Fetch (topic ids from v13), Metadata, ListOffsets (and its
+special timestamps), OffsetCommit/OffsetFetch (topic ids from v10) and
+DescribeGroups (GROUP_ID_NOT_FOUND from v6)."""
 from __future__ import annotations
 
 from kafscale import _native
-from kafscale.protocol.schemas import API_VERSIONS, APIS, FETCH, LIST_OFFSETS, METADATA, PRODUCE
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.schemas import (
+    API_VERSIONS,
+    APIS,
+    DESCRIBE_GROUPS,
+    FETCH,
+    FIND_COORDINATOR,
+    LIST_OFFSETS,
+    METADATA,
+    OFFSET_COMMIT,
+    OFFSET_FETCH,
+    PRODUCE,
+)
+from kafscale.protocol.types import EARLIEST_LOCAL, LATEST_TIERED
 from tests.integration.clients import create_topic
 from tests.integration.rawclient import RawClient
 
@@ -49,7 +63,7 @@ def test_all_versions_produce_fetch_metadata_list_offsets(broker, topic_name):
         assert (p["error_code"], p["high_watermark"]) == (0, expected), (v, p)
         records = bytes(p["records"])
         values = [rec[3] for b in _native.scan_batches(records, True) for rec in _native.iter_records(b, records)]
-        assert values == [b"produce v%d" % i for i in range(5, 10)], v  # offsets 2.. were produced at v5..
+        assert values == [b"produce v%d" % i for i in range(5, PRODUCE.max_version + 1)], v  # offset 2 was v5
 
     for v in range(METADATA.min_version, METADATA.max_version + 1):
         body = {"topics": [{"name": topic_name, "topic_id": bytes(16)}], "allow_auto_topic_creation": False}
@@ -64,9 +78,56 @@ def test_all_versions_produce_fetch_metadata_list_offsets(broker, topic_name):
         p = c.request(LIST_OFFSETS.key, v, body)["topics"][0]["partitions"][0]
         assert p["error_code"] == 0
         assert (p["old_style_offsets"] if v == 0 else [p["offset"]]) == [expected], v
+    # v8+: the earliest offset on the broker's storage; v9+: the last one in remote storage.
+    # Both storages are the object store: the log start and the last committed record.
+    for v, ts, want in ((8, EARLIEST_LOCAL, 0), (9, LATEST_TIERED, expected - 1), (10, LATEST_TIERED, expected - 1)):
+        body = {"replica_id": -1, "timeout_ms": 5000, "topics": [{"name": topic_name, "partitions": [
+            {"partition_index": 0, "timestamp": ts}]}]}
+        p = c.request(LIST_OFFSETS.key, v, body)["topics"][0]["partitions"][0]
+        assert (p["error_code"], p["offset"]) == (0, want), (v, ts, p)
 
     # Fetch v13 with an unknown topic id
     body = {"max_wait_ms": 0, "min_bytes": 0, "topics": [{"topic_id": b"\x01" * 16, "partitions": [
         {"partition": 0, "fetch_offset": 0, "partition_max_bytes": 100}]}]}
     assert c.request(FETCH.key, 13, body)["responses"][0]["partitions"][0]["error_code"] == 100  # UNKNOWN_TOPIC_ID
+    c.close()
+
+
+def test_offsets_by_topic_id_from_v10_and_unknown_groups_from_describe_groups_v6(broker, topic_name):
+    create_topic(broker.bootstrap, topic_name, partitions=2)
+    c = RawClient(broker.bootstrap)
+    topic_id = c.request(METADATA.key, 12, {"topics": [{"name": topic_name, "topic_id": bytes(16)}]}
+                         )["topics"][0]["topic_id"]
+    group = f"{topic_name}-g"
+    assert c.request(FIND_COORDINATOR.key, 4, {"key_type": 0, "coordinator_keys": [group]}
+                     )["coordinators"][0]["error_code"] == 0
+    unknown = b"\x07" * 16
+    commit = {"group_id": group, "generation_id_or_member_epoch": -1, "member_id": "", "topics": [
+        {"topic_id": topic_id,
+         "partitions": [{"partition_index": 1, "committed_offset": 42, "committed_metadata": "m"}]},
+        {"topic_id": unknown,
+         "partitions": [{"partition_index": 0, "committed_offset": 1, "committed_metadata": ""}]}]}
+    r = c.request(OFFSET_COMMIT.key, 10, commit)["topics"]
+    assert [(t["topic_id"], t["partitions"][0]["error_code"]) for t in r] == [
+        (topic_id, 0), (unknown, ErrorCode.UNKNOWN_TOPIC_ID)]
+
+    def fetched(version: int, topics: list | None) -> list:
+        body = {"groups": [{"group_id": group, "topics": topics}], "require_stable": False}
+        return c.request(OFFSET_FETCH.key, version, body)["groups"][0]["topics"]
+
+    by_id = fetched(10, [{"topic_id": topic_id, "partition_indexes": [1]},
+                         {"topic_id": unknown, "partition_indexes": [0]}])
+    assert [(t["topic_id"], [(p["committed_offset"], p["metadata"], p["error_code"]) for p in t["partitions"]])
+            for t in by_id] == [(topic_id, [(42, "m", 0)]), (unknown, [(-1, "", ErrorCode.UNKNOWN_TOPIC_ID)])]
+    every = fetched(10, None)  # all the group committed, named by id
+    assert [(t["topic_id"], t["partitions"][0]["committed_offset"]) for t in every] == [(topic_id, 42)]
+    by_name = fetched(9, [{"name": topic_name, "partition_indexes": [1]}])  # the same commit, seen by name
+    assert (by_name[0]["name"], by_name[0]["partitions"][0]["committed_offset"]) == (topic_name, 42)
+
+    groups = c.request(DESCRIBE_GROUPS.key, 6, {"groups": [group, "no-such-group"]})["groups"]
+    assert [(g["group_id"], g["error_code"], g["group_state"]) for g in groups] == [
+        (group, 0, "Empty"), ("no-such-group", ErrorCode.GROUP_ID_NOT_FOUND, "")]
+    assert "does not exist" in groups[1]["error_message"]
+    old = c.request(DESCRIBE_GROUPS.key, 5, {"groups": ["no-such-group"]})["groups"][0]
+    assert (old["error_code"], old["group_state"]) == (0, "Dead")  # as Kafka before KIP-1043
     c.close()
