@@ -31,6 +31,14 @@ def test_api_versions_advertises_exactly_what_is_implemented(broker):
         assert {k["api_key"]: (k["min_version"], k["max_version"]) for k in body["api_keys"]} == {
             a.key: (a.min_version, a.max_version) for a in APIS.values()}
     c.close()
+    # kafka-python infers the broker's Kafka version from these ranges (it was 3.3 before Kafka 4.1's versions)
+    from kafka import KafkaAdminClient
+
+    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    try:
+        assert admin._client.check_version() >= (4, 0)
+    finally:
+        admin.close()
 
 
 def test_all_versions_produce_fetch_metadata_list_offsets(broker, topic_name):
