@@ -94,6 +94,7 @@ class DevStack:
     # a time, longer for several): 1 GiB volumes (files grow as written, nothing is preallocated) make that a
     # quarter as often as 256 MiB ones; SeaweedFS sizes its volume count as free disk / this
     volume_mib: int = 1024
+    metrics_port: int = 0  # SeaweedFS's Prometheus /metrics (S3 requests by type)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _tmp: str | None = None
 
@@ -139,6 +140,7 @@ class DevStack:
     def _start_seaweedfs(self, root: Path) -> None:
         p = {name: free_port() for name in ("master", "volume", "filer", "admin", "iceberg", "lance", "metrics",
                                             "g_master", "g_volume", "g_filer", "g_s3", "g_admin")}
+        self.metrics_port = p["metrics"]
         logfile = root / "seaweedfs.log"
         # one identity, the documented dev keys: with identities configured SeaweedFS
         # refuses anonymous requests (any local user could otherwise read every record)

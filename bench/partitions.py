@@ -1,0 +1,232 @@
+"""Partition-scale benchmark: one broker, the same offered load spread over
+P partitions, each P's figures as a ratio to P = 1 in the same run.
+
+For each rate and each P, a fresh broker (its own cluster namespace in one
+etcd and one SeaweedFS) gets a topic of P partitions. One record to every
+partition first opens them all (not measured; the log process's resident
+memory before and after gives the cost of an idle open partition). Then a
+librdkafka producer (acks=all, linger.ms 5, 1 KiB records, partitions in
+turn) offers RATE records/s for --seconds, and waits up to --drain seconds
+for every acknowledgement. Counted by the servers themselves from their
+/metrics, over the time from the first record offered to the last one
+acknowledged: S3 PUTs/s (SeaweedFS), etcd transactions/s; after the run, the
+etcd keys the run added and etcd's DB size. From the producer: ack latency
+p50/p99 (produce() to delivery report) and how many records were
+acknowledged. From /proc: the broker's CPU (all its processes) and the log
+process's peak RSS.
+
+The latency bound it checks against, measured in the same run before the
+brokers start: linger + 2 x p99 of a 64 KiB S3 PUT + p99 of a one-key etcd
+transaction.
+
+    python bench/partitions.py [--partitions 1,100,1000,10000] [--rates 2000,20000]
+                               [--seconds 15] [--drain 180]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.e2e import CpuMeter, broker_children, pct, put_latencies, start_broker
+from kafscale.devstack import DevStack
+from kafscale.metadata.etcd_client import EtcdClient
+
+LINGER_MS = 5
+RECORD = 1024
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus endpoint: (name, labels) -> value."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def server_counts(stack: DevStack) -> dict[str, float]:
+    """What SeaweedFS and etcd count themselves: S3 PUTs, etcd transactions, keys and DB size."""
+    s3 = scrape(f"http://127.0.0.1:{stack.metrics_port}/metrics")
+    etcd = scrape(f"http://{stack.etcd_endpoint}/metrics")
+    return {"puts": sum(v for (name, labels), v in s3.items()
+                        if name == "SeaweedFS_s3_request_total" and ("type", "PUT") in labels),
+            "txns": etcd[("etcd_mvcc_txn_total", ())],
+            "keys": etcd[("etcd_debugging_mvcc_keys_total", ())],
+            "db": etcd[("etcd_mvcc_db_total_size_in_bytes", ())]}
+
+
+async def etcd_txn_latencies(stack: DevStack, n: int = 300) -> list[float]:
+    """Sorted latencies of n sequential one-key etcd transactions (a compare and a put, as a commit)."""
+    host, port = stack.etcd_endpoint.split(":")
+    client = EtcdClient(host=host, port=int(port), timeout=10)
+    await client.connect()
+    tx, key, out = client.transactions, f"/bench/{uuid.uuid4().hex}".encode(), []
+    try:
+        for i in range(n):
+            t = time.perf_counter()
+            await client.transaction(compare=[tx.version(key) > -1], success=[tx.put(key, b"%d" % i)], failure=[])
+            out.append(time.perf_counter() - t)
+        await client.delete(key)
+    finally:
+        await client.close()
+    return sorted(out)
+
+
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} for {pid}")
+
+
+@dataclass
+class Run:
+    partitions: int
+    rate: int
+    offered: int
+    acked: int
+    failed: int
+    seconds: float  # first record offered to last one acknowledged
+    puts: float
+    txns: float
+    keys: float
+    db_mib: float
+    lat: list[float]
+    cpu: float  # cores, all the broker's processes
+    peak_rss_mib: float  # the log process
+    idle_kib_per_partition: float
+
+    def per_s(self, what: str) -> float:
+        return getattr(self, what) / self.seconds
+
+
+def open_all(bootstrap: str, topic: str, partitions: int) -> None:
+    """One record to every partition, all acknowledged: every partition log is open."""
+    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": LINGER_MS})
+    for i in range(partitions):
+        p.produce(topic, value=b"open", partition=i)
+        if i % 1000 == 0:
+            p.poll(0)
+    if p.flush(600):
+        raise RuntimeError("the partitions did not all open")
+
+
+def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float
+          ) -> tuple[int, int, int, list[float], float]:
+    """Offer rate records/s for seconds, then wait up to drain s for the acknowledgements:
+    (offered, acked, failed, sorted ack latencies, seconds from the first record to the last ack)."""
+    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": LINGER_MS,
+                  "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 2 * 1024 * 1024,
+                  "message.timeout.ms": int((seconds + drain) * 1000), "compression.type": "none"})
+    value = os.urandom(RECORD)
+    lat: list[float] = []
+    failed = [0]
+    last_ack = [0.0]
+
+    def report(err: object, t: float) -> None:
+        now = time.perf_counter()
+        if err is None:
+            lat.append(now - t)
+            last_ack[0] = now
+        else:
+            failed[0] += 1
+
+    t0 = time.perf_counter()
+    i = 0
+    while (now := time.perf_counter() - t0) < seconds:
+        due = int(now * rate)
+        while i < due:
+            t = time.perf_counter()
+            p.produce(topic, value=value, partition=i % partitions, on_delivery=lambda e, _m, t=t: report(e, t))
+            i += 1
+        p.poll(0.002)
+    p.flush(drain)
+    return i, len(lat), failed[0], sorted(lat), max(last_ack[0] - t0, seconds)
+
+
+def measure(stack: DevStack, logdir: Path, partitions: int, rate: int, seconds: float, drain: float) -> Run:
+    cluster = f"p{partitions}r{rate}{uuid.uuid4().hex[:4]}"
+    proc, bootstrap = start_broker(stack, logdir, cluster, linger_ms=str(LINGER_MS))
+    try:
+        log_process, *_ = broker_children(proc.pid)
+        topic = "scale"
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(60)
+        before_open = rss_kib(log_process)
+        open_all(bootstrap, topic, partitions)
+        idle = (rss_kib(log_process) - before_open) / partitions
+        start = server_counts(stack)
+        with CpuMeter({"broker": [proc.pid, *broker_children(proc.pid)]}) as cpu:
+            offered, acked, failed, lat, secs = offer(bootstrap, topic, partitions, rate, seconds, drain)
+        end = server_counts(stack)
+        peak = rss_kib(log_process, "VmHWM") / 1024
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    return Run(partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"],
+               end["txns"] - start["txns"], end["keys"] - start["keys"], end["db"] / (1 << 20), lat,
+               cpu.cores["broker"], peak, idle)
+
+
+def report(runs: list[Run], bound: float) -> None:
+    for rate in sorted({r.rate for r in runs}):
+        rows = [r for r in runs if r.rate == rate]
+        base = rows[0]
+        print(f"\n{rate} records/s of {RECORD} B offered, acks=all, linger {LINGER_MS} ms "
+              f"(ratio to P = {base.partitions} in brackets)")
+        print(f"{'P':>6} {'acked':>13} {'S3 PUT/s':>15} {'etcd txn/s':>15} {'ack p50 ms':>17} {'ack p99 ms':>17} "
+              f"{'CPU cores':>12} {'log RSS MiB':>14} {'+etcd keys':>11} {'idle KiB/p':>10}")
+        for r in rows:
+            def cell(v: float, b: float, fmt: str = ".0f") -> str:
+                return f"{v:{fmt}} ({v / b:.2f})" if b else f"{v:{fmt}}"
+            p50, p99 = (pct(r.lat, 0.5) * 1000, pct(r.lat, 0.99) * 1000) if r.lat else (float("nan"),) * 2
+            b50, b99 = (pct(base.lat, 0.5) * 1000, pct(base.lat, 0.99) * 1000) if base.lat else (0, 0)
+            print(f"{r.partitions:>6} {r.acked:>6}/{r.offered:<6} {cell(r.per_s('puts'), base.per_s('puts')):>15} "
+                  f"{cell(r.per_s('txns'), base.per_s('txns')):>15} {cell(p50, b50, '.1f'):>17} "
+                  f"{cell(p99, b99, '.1f'):>17} {cell(r.cpu, base.cpu, '.2f'):>12} "
+                  f"{cell(r.peak_rss_mib, base.peak_rss_mib):>14} {r.keys:>11.0f} {r.idle_kib_per_partition:>10.1f}")
+            if r.failed or r.acked < r.offered:
+                print(f"       {r.offered - r.acked} records not acknowledged ({r.failed} failed)")
+        worst = max(pct(r.lat, 0.99) for r in rows if r.lat)
+        print(f"ack p99 bound (linger + 2 x S3 PUT p99 + etcd txn p99) {bound * 1000:.1f} ms; "
+              f"worst p99 / bound = {worst / bound:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--partitions", default="1,100,1000,10000", help="comma-separated partition counts")
+    ap.add_argument("--rates", default="2000,20000", help="comma-separated offered records/s")
+    ap.add_argument("--seconds", type=float, default=15, help="how long each load is offered")
+    ap.add_argument("--drain", type=float, default=180, help="how long to wait for the last acknowledgements")
+    args = ap.parse_args()
+    counts = sorted(int(x) for x in args.partitions.split(","))
+    with tempfile.TemporaryDirectory(prefix="kafscale-bench-") as tmp:
+        stack = DevStack(data_dir=tmp, volume_mib=8192).start()
+        try:
+            put_p99 = pct(asyncio.run(put_latencies(stack)), 0.99)
+            etcd_p99 = pct(asyncio.run(etcd_txn_latencies(stack)), 0.99)
+            bound = LINGER_MS / 1000 + 2 * put_p99 + etcd_p99
+            print(f"64 KiB S3 PUT p99 {put_p99 * 1000:.1f} ms, etcd transaction p99 {etcd_p99 * 1000:.1f} ms")
+            runs = []
+            for rate in (int(x) for x in args.rates.split(",")):
+                for n in counts:
+                    runs.append(measure(stack, Path(tmp), n, rate, args.seconds, args.drain))
+                    r = runs[-1]
+                    print(f"P={n} rate={rate}: {r.acked}/{r.offered} acked in {r.seconds:.1f} s", flush=True)
+        finally:
+            stack.stop()
+    report(runs, bound)
+
+
+if __name__ == "__main__":
+    main()
