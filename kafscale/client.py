@@ -17,7 +17,16 @@ from scramp import ScramClient, ScramException
 from kafscale.protocol.codec import Message, parse_schema
 from kafscale.protocol.errors import ErrorCode, KafkaError
 from kafscale.protocol.framing import decode_response, encode_request
-from kafscale.protocol.schemas import APIS, FIND_COORDINATOR, METADATA, SASL_AUTHENTICATE, SASL_HANDSHAKE
+from kafscale.protocol.schemas import (
+    APIS,
+    FETCH,
+    FIND_COORDINATOR,
+    METADATA,
+    OFFSET_COMMIT,
+    OFFSET_FETCH,
+    SASL_AUTHENTICATE,
+    SASL_HANDSHAKE,
+)
 
 # The consumer protocol's assignment and subscription blobs carried in
 # JoinGroup, SyncGroup and DescribeGroups (version 0, which every client reads).
@@ -35,6 +44,8 @@ topics: [string]
 user_data: bytes ?
 """), flexible_min=0x7FFF)
 SASL_PREFERENCE = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
+# the last version of each API that names topics (later ones name them by topic id only)
+BY_NAME = {FETCH.key: 12, OFFSET_COMMIT.key: 9, OFFSET_FETCH.key: 9}
 CONNECT_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 60.0
 
@@ -101,8 +112,9 @@ class KafkaClient:
         return resp
 
     async def request(self, api_key: int, body: dict[str, Any], max_version: int | None = None) -> dict[str, Any]:
-        """Send at the highest version both sides implement (and at most max_version)."""
-        version = min(self._versions.get(api_key, -1), APIS[api_key].max_version,
+        """Send at the highest version both sides implement (and at most max_version);
+        APIs that name topics by id from some version are sent at the last one by name."""
+        version = min(self._versions.get(api_key, -1), APIS[api_key].max_version, BY_NAME.get(api_key, 1 << 15),
                       APIS[api_key].max_version if max_version is None else max_version)
         if version < APIS[api_key].min_version:
             raise KafkaError(ErrorCode.UNSUPPORTED_VERSION, APIS[api_key].name)

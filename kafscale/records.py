@@ -29,7 +29,6 @@ from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode, KafkaError
 from kafscale.protocol.types import EARLIEST, LATEST
 
-FETCH_VERSION = 12  # topics by name (v13 wants topic ids)
 FETCH_WAIT_MS = 500
 PARTITION_FETCH_BYTES = 1 << 20
 SEND_ATTEMPTS = 6
@@ -194,7 +193,7 @@ async def fetch(client: KafkaClient, topic: str, positions: dict[int, int],
         "isolation_level": 0, "session_id": 0, "session_epoch": -1, "forgotten_topics_data": [], "rack_id": "",
         "topics": [{"topic": topic, "topic_id": bytes(16), "partitions": [
             {"partition": p, "fetch_offset": pos, "partition_max_bytes": PARTITION_FETCH_BYTES}
-            for p, pos in positions.items()]}]}, max_version=FETCH_VERSION)
+            for p, pos in positions.items()]}]})
     _check(resp.get("error_code", 0), f"fetch {topic}")
     out: dict[int, FetchResult | ErrorCode] = {}
     for t in resp["responses"]:
