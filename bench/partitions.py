@@ -30,14 +30,12 @@ import os
 import signal
 import tempfile
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.e2e import CpuMeter, broker_children, pct, put_latencies, start_broker
 from kafscale.devstack import DevStack
@@ -45,24 +43,6 @@ from kafscale.metadata.etcd_client import EtcdClient
 
 LINGER_MS = 5
 RECORD = 1024
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a Prometheus endpoint: (name, labels) -> value."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def server_counts(stack: DevStack) -> dict[str, float]:
-    """What SeaweedFS and etcd count themselves: S3 PUTs, etcd transactions, keys and DB size."""
-    s3 = scrape(f"http://127.0.0.1:{stack.metrics_port}/metrics")
-    etcd = scrape(f"http://{stack.etcd_endpoint}/metrics")
-    return {"puts": sum(v for (name, labels), v in s3.items()
-                        if name == "SeaweedFS_s3_request_total" and ("type", "PUT") in labels),
-            "txns": etcd[("etcd_mvcc_txn_total", ())],
-            "keys": etcd[("etcd_debugging_mvcc_keys_total", ())],
-            "db": etcd[("etcd_mvcc_db_total_size_in_bytes", ())]}
 
 
 async def etcd_txn_latencies(stack: DevStack, n: int = 300) -> list[float]:
@@ -165,10 +145,10 @@ def measure(stack: DevStack, logdir: Path, partitions: int, rate: int, seconds: 
         before_open = rss_kib(log_process)
         open_all(bootstrap, topic, partitions)
         idle = (rss_kib(log_process) - before_open) / partitions
-        start = server_counts(stack)
+        start = stack.server_counts()
         with CpuMeter({"broker": [proc.pid, *broker_children(proc.pid)]}) as cpu:
             offered, acked, failed, lat, secs = offer(bootstrap, topic, partitions, rate, seconds, drain)
-        end = server_counts(stack)
+        end = stack.server_counts()
         peak = rss_kib(log_process, "VmHWM") / 1024
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -133,7 +133,9 @@ def _store(cfg: config_mod.Config) -> Any:
 
 
 async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None) -> None:
+    """The topic's .kfs segments, then its slices of node objects (KEY#POS: not compacted yet)."""
     from kafscale.storage.segment import HEADER_SIZE, parse_header, parse_segment_key
+    from kafscale.storage.wal import node_prefix, read_node_directory
 
     prefix = f"{cfg.namespace}/{topic}/" + ("" if partition is None else f"{partition}/")
     async with _store(cfg) as store:
@@ -146,6 +148,11 @@ async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None
             parsed = parse_segment_key(key)
             part = parsed.partition if parsed is not None else "?"
             print(f"{part:>9} {hdr.base_offset:>12} {hdr.count:>8} {obj['Size']:>10}  {key}")
+        for obj in sorted(await store.list(node_prefix(cfg.namespace)), key=lambda o: o["Key"]):
+            for s in (await read_node_directory(store, obj["Key"], int(obj["Size"])))["slices"]:
+                if s["topic"] == topic and partition in (None, s["partition"]):
+                    print(f"{s['partition']:>9} {s['base']:>12} {s['count']:>8} {s['size']:>10}  "
+                          f"{obj['Key']}#{s['pos']}")
 
 
 def _show(b: bytes | None) -> str:
@@ -159,13 +166,26 @@ def _show(b: bytes | None) -> str:
 
 
 async def _segments_dump(cfg: config_mod.Config, key: str) -> None:
+    """A .kfs segment's records; of a node object (.kfn), each slice's (KEY#POS: that slice only)."""
+    from kafscale.storage.wal import node_directory
+
+    key, _, pos = key.partition("#")
+    async with _store(cfg) as store:
+        data = await store.get(key)
+    if not key.endswith(".kfn"):
+        _dump_segment(key, data)
+        return
+    for s in node_directory(data)["slices"]:
+        if pos in ("", str(s["pos"])):
+            _dump_segment(f"{key}#{s['pos']} ({s['topic']}/{s['partition']})", data[s["pos"]:s["pos"] + s["size"]])
+
+
+def _dump_segment(name: str, data: bytes) -> None:
     from kafscale import _native
     from kafscale.storage.segment import open_segment
 
-    async with _store(cfg) as store:
-        data = await store.get(key)
     hdr, body, last = open_segment(data)
-    print(f"# {key}: base offset {hdr.base_offset}, last offset {last}, {hdr.count} records, "
+    print(f"# {name}: base offset {hdr.base_offset}, last offset {last}, {hdr.count} records, "
           f"created {hdr.created_ms} ms, CRC32C ok")
     for b in _native.scan_batches(body, True):
         print(f"# batch offset {b.base_offset}..{b.last_offset} codec {_native.CODEC_NAMES[b.compression]} "
@@ -241,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["ls", "dump"])
     p.add_argument("--topic", help="topic (ls)")
     p.add_argument("--partition", type=int, help="partition (ls; default all)")
-    p.add_argument("--key", help="segment object key (dump), as printed by ls")
+    p.add_argument("--key", help="segment object key (dump), as printed by ls: a .kfs, a node object (.kfn) "
+                   "or one slice of it (KEY#POS)")
     config_mod.add_arguments(p)
     p.set_defaults(func=cmd_segments)
 

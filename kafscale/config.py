@@ -58,6 +58,12 @@ class Config:
     default_partitions: int = _opt(1, "partitions for auto-created topics and CreateTopics with -1")
     linger_ms: int = _opt(5, "how long a partition gathers batches before it flushes a segment")
     segment_bytes: int = _opt(16 * 1024 * 1024, "largest segment a flush builds")
+    node_flush: bool = _opt(True, "one object per flush cycle for all of a node's partitions, compacted into "
+                            "per-partition segments later (see docs/architecture.md)")
+    flush_bytes: int = _opt(8 * 1024 * 1024, "node flush: a node object is written once this much is queued "
+                            "(else after linger_ms)")
+    compaction_lag_ms: int = _opt(10_000, "node flush: a partition's node object slices are compacted into a "
+                                  "segment once the oldest is this old (or they reach segment.bytes)")
     multipart_threshold: int = _opt(16 * 1024 * 1024, "segments above this size upload as multipart")
     cache_bytes: int = _opt(256 * 1024 * 1024, "shared-memory cache of recent segments that workers serve Fetch from")
     s3_timeout_s: int = _opt(30, "longest one attempt at uploading a segment may take before it is retried")

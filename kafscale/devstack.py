@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,27 @@ class DevStack:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+    def server_counts(self) -> dict[str, float]:
+        """What SeaweedFS and etcd count themselves (their /metrics): S3 PUTs and
+        GETs, etcd transactions, etcd keys and etcd's DB size in bytes."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+        s3 = scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        etcd = scrape(f"http://{self.etcd_endpoint}/metrics")
+
+        def requests(kind: str) -> float:
+            return sum(v for (name, labels), v in s3.items()
+                       if name == "SeaweedFS_s3_request_total" and ("type", kind) in labels)
+
+        return {"puts": requests("PUT"), "gets": requests("GET"), "txns": etcd[("etcd_mvcc_txn_total", ())],
+                "keys": etcd[("etcd_debugging_mvcc_keys_total", ())],
+                "db": etcd[("etcd_mvcc_db_total_size_in_bytes", ())]}
 
     def s3_client(self, attempts: int = 3) -> Any:
         """A blocking botocore client of this stack's S3 server."""

@@ -31,9 +31,10 @@ SEGMENT_READS = Counter("kafscale_segment_reads", "Fetch reads of committed segm
 S3_SECONDS = Histogram("kafscale_s3_request_seconds", "S3 request latency, by operation", ["node", "op"],
                        buckets=(.0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
 S3_ERRORS = Counter("kafscale_s3_errors", "Failed S3 requests, by operation", ["node", "op"])
-ETCD_SECONDS = Histogram("kafscale_etcd_commit_seconds", "Latency of the etcd transaction committing a segment",
+ETCD_SECONDS = Histogram("kafscale_etcd_commit_seconds",
+                         "Latency of the etcd transaction committing a node object or segment",
                          ["node"], buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5))
-FLUSH_BYTES = Histogram("kafscale_segment_flush_bytes", "Size of each segment uploaded", ["node"],
+FLUSH_BYTES = Histogram("kafscale_segment_flush_bytes", "Size of each node object or segment a flush uploads", ["node"],
                         buckets=tuple(float(1 << n) for n in range(12, 31, 2)))
 
 

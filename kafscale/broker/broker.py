@@ -24,8 +24,10 @@ from kafscale.config import Config
 from kafscale.groups.api import GroupApi
 from kafscale.groups.coordinator import GroupCoordinator
 from kafscale.metadata.store import MetaStore
+from kafscale.protocol.types import TopicPartition
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.reader import SegmentSource
+from kafscale.storage.wal import committed_watermarks
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +53,15 @@ class Broker:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self, lease: Any) -> None:
-        self.partitions.lease = lease
+        await self.partitions.start(lease)
         await self.cluster.refresh()
         await self.partitions.refresh_defaults()
         await self.groups.start()
         self._tasks = [asyncio.create_task(self.partitions.watch_topics(), name="topic watch"),
                        asyncio.create_task(self.partitions.retention_loop(), name="retention"),
                        asyncio.create_task(self._balance_loop(), name="balancer")]
+        if self.partitions.flusher is not None:
+            self._tasks.append(asyncio.create_task(self.partitions.compaction_loop(), name="compaction"))
         if self.access.enabled:
             await self.access.refresh()
             self._tasks.append(asyncio.create_task(self.access.run(), name="acls"))
@@ -94,13 +98,15 @@ class Broker:
         """(group, topic, partition) -> high watermark - committed offset, for
         the groups this broker coordinates."""
         lag: dict[tuple[str, str, int], int] = {}
-        hws: dict[tuple[str, int], int] = {}
+        elsewhere: dict[TopicPartition, tuple[int, int, int]] | None = None  # committed watermarks, read once if needed
         mine = [g for g in await self.meta.group_names_with_offsets()
                 if self.cluster.coordinator_for(g) == self.cfg.node_id]
         for group in sorted(set(mine) | set(self.groups.groups)):
             for (topic, p), committed in (await self.meta.fetch_offsets(group)).items():
-                if (topic, p) not in hws:
-                    hw = self.partitions.high_watermark(topic, p)
-                    hws[(topic, p)] = hw if hw is not None else (await self.meta.watermarks(topic, p))[0]
-                lag[(group, topic, p)] = max(hws[(topic, p)] - committed["offset"], 0)
+                hw = self.partitions.high_watermark(topic, p)
+                if hw is None:  # not open here
+                    if elsewhere is None:
+                        elsewhere = await committed_watermarks(self.meta, await self.meta.list_topics())
+                    hw = elsewhere.get(TopicPartition(topic, p), (0, 0, 0))[0]
+                lag[(group, topic, p)] = max(hw - committed["offset"], 0)
         return lag

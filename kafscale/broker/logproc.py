@@ -121,7 +121,7 @@ class LogService:
             lg = await partitions.partition_log(meta.name, p)
         except LogError as exc:
             return messages.ViewRefused(exc.code, str(exc))
-        cached = {m.key: ref for m in lg.segments if (ref := self.cache.ref(m.key)) is not None}
+        cached = {m.ref: ref for m in lg.segments if (ref := self.cache.ref(m.ref)) is not None}
         return messages.PartitionSnapshot(meta.name, meta.id, lg.hw, lg.log_start, list(lg.segments), cached)
 
     # ----------------------------------------------------------------- events
@@ -129,7 +129,7 @@ class LogService:
         self._broadcast(messages.AclsChanged([a.to_json() for a in acls]))
 
     def _changed(self, lg: PartitionLog, manifest: SegmentManifest | None) -> None:
-        ref = self.cache.ref(manifest.key) if manifest is not None else None
+        ref = self.cache.ref(manifest.ref) if manifest is not None else None
         self._broadcast(messages.PartitionChanged(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start, manifest,
                                                   ref))
 

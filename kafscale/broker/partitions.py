@@ -3,7 +3,9 @@ watch on etcd), opening a partition's log when it is first used here
 (claiming it in etcd under the broker's lease), handing partitions over when
 the membership says another broker should have them, retention, and dropping
 everything when the lease is lost. The API classes get partition logs from
-here and never open one themselves."""
+here and never open one themselves. With node flushes it also runs the
+node's flusher (one object per flush cycle for all partitions), compacts the
+partitions' committed slices and forgets node objects compacted away."""
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +28,12 @@ from kafscale.security.acl import Operation, ResourceType
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
+from kafscale.storage.wal import NodeFlusher, WalIndex, collect
 
 log = logging.getLogger(__name__)
+
+COMPACTION_CHECK_S = 1.0  # how often open partitions are checked for slices due for compaction
+COMPACTION_MEMORY_SEGMENTS = 2  # compactions under way hold at most this many segment.bytes (slices read + built)
 
 
 class PartitionRegistry:
@@ -47,6 +53,34 @@ class PartitionRegistry:
         self.lease: Any = None  # our etcd lease: partition ownership hangs on it
         self.closing = False  # shutting down: no partition is opened any more
         self.defaults = topic_config.Defaults(cfg)  # re-read by refresh_defaults
+        self.flusher = NodeFlusher(cfg, store, meta, self._topic_id, self._fenced) if cfg.node_flush else None
+        self.wal = WalIndex(meta)
+        self._refencing = False
+
+    def _topic_id(self, name: str) -> bytes | None:
+        meta = self.topics.get(name)
+        return meta.id if meta is not None else None
+
+    async def start(self, lease: Any) -> None:
+        self.lease = lease
+        if self.flusher is not None:
+            await self.flusher.start(lease)
+
+    async def _fenced(self) -> None:
+        """A node object was fenced (another log process claimed one of our
+        partitions) or failed: close every partition (their queued batches are
+        failed, clients retry and reopen them) and flush under a new fence."""
+        if self._refencing or self.flusher is None or self.closing:
+            return
+        self._refencing = True
+        try:
+            logs, self.logs = list(self.logs.values()), {}
+            log.warning("node flush fenced: closing %d partitions, continuing under a new fence", len(logs))
+            await asyncio.gather(*(lg.close() for lg in logs))
+            await self.flusher.stop()
+            await self.flusher.start(self.lease)
+        finally:
+            self._refencing = False
 
     async def refresh_defaults(self) -> None:
         """Adopt the dynamic broker configs another broker may have changed."""
@@ -114,6 +148,8 @@ class PartitionRegistry:
             return await asyncio.shield(pending)
         if self.closing:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"broker {self.cfg.node_id} is shutting down")
+        if self._refencing:
+            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"broker {self.cfg.node_id} is taking a new fence")
         desired = self.cluster.desired_owner(topic, p)
         if desired != self.cfg.node_id:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} belongs on broker {desired}")
@@ -123,11 +159,13 @@ class PartitionRegistry:
             if not await self.meta.claim_owner(topic, p, self.cfg.node_id, self.lease):
                 owner = await self.meta.owner_of(topic, p)
                 raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} is still owned by broker {owner}")
+            meta = self.topics.get(topic) or await self.topic(topic)
+            if meta is None:
+                raise KeyError(topic)
+            node = (self.flusher, self.wal, meta.id) if self.flusher is not None else None
             lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self.read_budget,
-                              lambda lg, m: self.on_change(lg, m))
-            meta = self.topics.get(topic)
-            if meta is not None:
-                self._configure(lg, meta)
+                              lambda lg, m: self.on_change(lg, m), node)
+            self._configure(lg, meta)
             await lg.open()
             self.logs[key] = lg
             fut.set_result(lg)
@@ -153,7 +191,24 @@ class PartitionRegistry:
     async def release_partition(self, topic: str, p: int, lg: PartitionLog, drain_s: float = 10) -> None:
         self.logs.pop((topic, p), None)
         await lg.close(drain_s=drain_s)
+        if self.flusher is not None:
+            try:  # no node object in flight may still hold its batches when another broker claims it
+                await asyncio.wait_for(self.flusher.settled(lg), drain_s)
+                await lg.release_fence()
+            except Exception as exc:  # still ours until our lease expires, or the next owner's claim fences us
+                log.warning("%s/%d: not handed over (%r)", topic, p, exc)
+                return
         await self.meta.release_owner(topic, p, self.cfg.node_id)
+
+    def is_open(self, topic: str, p: int) -> bool:
+        lg = self.logs.get((topic, p))
+        return lg is not None and not lg.closed
+
+    def log_bytes(self, topic: str, p: int, committed: dict[TopicPartition, int]) -> int:
+        """Bytes of a partition's log: its segments and slices when open here, else
+        what `committed` (the manifests in etcd) says."""
+        lg = self.logs.get(TopicPartition(topic, p))
+        return sum(m.size for m in lg.segments) if lg is not None else committed.get(TopicPartition(topic, p), 0)
 
     def high_watermark(self, topic: str, p: int) -> int | None:
         """The high watermark of a partition open here, else None."""
@@ -175,6 +230,9 @@ class PartitionRegistry:
         logs, self.logs = list(self.logs.values()), {}
         await asyncio.gather(*(lg.close() for lg in logs))
         self.lease = new_lease
+        if self.flusher is not None:  # our fence went with the lease
+            await self.flusher.stop()
+            await self.flusher.start(new_lease)
 
     async def close(self, drain_s: float = 10) -> None:
         """Flush what producers are waiting on (up to drain_s) and release the
@@ -188,6 +246,8 @@ class PartitionRegistry:
         for exc in results:
             if isinstance(exc, BaseException):
                 log.warning("handing a partition over failed (its lease expiry hands it over): %r", exc)
+        if self.flusher is not None:
+            await self.flusher.stop()
 
     # ------------------------------------------------------ background loops
     async def watch_topics(self) -> None:
@@ -208,6 +268,43 @@ class PartitionRegistry:
             except Exception as exc:
                 log.warning("watching topics failed (%r); reading them again in 1 s", exc)
             await asyncio.sleep(1)
+
+    async def compaction_loop(self) -> None:
+        """Node flushes: compact the partitions whose slices are due (a few at a
+        time), and forget node objects whose slices are all compacted."""
+        limit = COMPACTION_MEMORY_SEGMENTS * self.cfg.segment_bytes
+        free = [limit]
+        freed = asyncio.Condition()
+        next_collect = 0.0
+
+        async def compact(lg: PartitionLog) -> None:
+            """Compactions run at once while the memory they hold fits in `limit` (one always may)."""
+            need = min(2 * lg.compaction_bytes(), limit)
+            async with freed:
+                await freed.wait_for(lambda: free[0] >= need)
+                free[0] -= need
+            try:
+                await lg.compact()
+            except Exception as exc:
+                log.warning("%s/%d: compaction failed (tried again later): %r", lg.topic, lg.partition, exc)
+            finally:
+                async with freed:
+                    free[0] += need
+                    freed.notify_all()
+
+        while True:
+            await asyncio.sleep(COMPACTION_CHECK_S)
+            now_ms = int(time.time() * 1000)
+            due = [lg for lg in self.logs.values() if not lg.closed and lg.compaction_due(now_ms)]
+            await asyncio.gather(*(compact(lg) for lg in due))
+            if time.monotonic() >= next_collect:
+                next_collect = time.monotonic() + self.cfg.compaction_lag_ms / 2000
+                try:
+                    n = await collect(self.meta, self.store, self.cfg.namespace)
+                    if n:
+                        log.info("forgot %d node objects (every slice compacted)", n)
+                except Exception as exc:
+                    log.warning("collecting node objects failed: %r", exc)
 
     async def retention_loop(self) -> None:
         while True:

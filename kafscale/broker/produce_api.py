@@ -36,6 +36,7 @@ class ProduceApi(PartitionApi):
         results: list[tuple[dict[str, Any], asyncio.Future[int] | None]] = []
         responses = []
         async with hdr.append_order:  # appends in the order the connection sent them
+            await self._open_all(req)
             for td in req["topic_data"]:
                 parts = []
                 writable = self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, td["name"])
@@ -80,6 +81,18 @@ class ProduceApi(PartitionApi):
             return None
         await self._await_durable(results, req["timeout_ms"] / 1000)
         return {"responses": responses, "throttle_time_ms": 0}
+
+    async def _open_all(self, req: dict[str, Any]) -> None:
+        """Open the partitions a request writes to that are not open yet all at
+        once, not one after another (a first produce to a large topic opens
+        them all); a partition that fails to open fails in the loop after."""
+        closed = []
+        for td in req["topic_data"]:
+            meta = self.partitions.topics.get(td["name"])
+            closed += [(meta.name, pd["index"]) for pd in td["partition_data"]
+                       if has_partition(meta, pd["index"]) and not self.partitions.is_open(meta.name, pd["index"])]
+        if len(closed) > 1:
+            await asyncio.gather(*(self.partitions.partition_log(t, p) for t, p in closed), return_exceptions=True)
 
     @staticmethod
     async def _await_durable(results: list[tuple[dict[str, Any], asyncio.Future[int] | None]],

@@ -58,7 +58,7 @@ class ReplicaApi(PartitionApi):
             mine = [p for p in parts if cluster.leader(name, p, owners.get((name, p))) == me]
             if mine:
                 topics.append({"name": name, "partitions": [
-                    {"partition_index": p, "partition_size": sizes.get((name, p), 0), "offset_lag": 0,
+                    {"partition_index": p, "partition_size": self.partitions.log_bytes(name, p, sizes), "offset_lag": 0,
                      "is_future_key": False} for p in mine]})
         log_dir = f"s3://{self.cfg.bucket}/{self.cfg.namespace}"
         return {"throttle_time_ms": 0, "error_code": 0, "results": [

@@ -85,15 +85,16 @@ class PartitionView(LogReader):
 
     def apply(self, hw: int, log_start: int, m: SegmentManifest | None, ref: CacheRef | None) -> None:
         if m is not None:
-            self.add_segment(m)
+            for replaced in self.add_segment(m):
+                self.view_cache.refs.pop(replaced.ref, None)
             if ref is not None:
-                self.view_cache.refs[m.key] = ref
+                self.view_cache.refs[m.ref] = ref
         self.hw = hw
         if log_start != self.log_start:
             self.log_start = log_start
             gone = sum(1 for m in self.segments if m.last < log_start)
             for m in self.segments[:gone]:
-                self.view_cache.refs.pop(m.key, None)
+                self.view_cache.refs.pop(m.ref, None)
             self.drop_segments(gone)
 
 

@@ -25,10 +25,12 @@ from typing import Any
 from aiohttp import web
 
 from kafscale.client import Cluster, Credentials
-from kafscale.metadata.store import MetaStore, PartitionState, TopicExists
+from kafscale.metadata.store import MetaStore, TopicExists
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol.errors import ErrorCode, KafkaError
+from kafscale.protocol.types import TopicPartition
 from kafscale.records import browse
+from kafscale.storage.wal import committed_watermarks
 from kafscale.tools import describe_group
 
 PAGE = resources.files("kafscale.console").joinpath("page.html").read_text()
@@ -40,18 +42,19 @@ REFUSED = (ErrorCode.TOPIC_AUTHORIZATION_FAILED, ErrorCode.GROUP_AUTHORIZATION_F
 
 
 async def overview(meta: MetaStore, health: dict[str, str], cluster: str) -> dict[str, Any]:
-    brokers, draining, topics, owners, groups, states, counts = await asyncio.gather(
+    brokers, draining, topics, owners, groups, counts = await asyncio.gather(
         meta.list_brokers(), meta.draining(), meta.list_topics(), meta.owners(), meta.group_names_with_offsets(),
-        meta.partition_states(), meta.segment_counts())
+        meta.segment_counts())
+    marks = await committed_watermarks(meta, topics)
     out_topics = []
     hws: dict[tuple[str, int], int] = {}
     for t in sorted(topics, key=lambda t: t.name):
         parts = []
         for p in range(t.partitions):
-            hw, start = PartitionState.watermarks(states.get((t.name, p)))
+            hw, start, slices = marks[TopicPartition(t.name, p)]
             hws[(t.name, p)] = hw
             parts.append({"partition": p, "high_watermark": hw, "log_start": start, "leader": owners.get((t.name, p)),
-                          "segments": counts.get((t.name, p), 0)})
+                          "segments": counts.get((t.name, p), 0) + slices})
         out_topics.append({"name": t.name, "partitions": parts, "config": t.config,
                            "records": sum(x["high_watermark"] - x["log_start"] for x in parts),
                            "segments": sum(x["segments"] for x in parts)})

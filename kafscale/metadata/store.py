@@ -1,9 +1,14 @@
 """Cluster metadata in etcd (aetcd), under /kafscale/{cluster}/.
 
   topics/{name}                  {"id": hex uuid, "partitions": n, "config": {...}}
-  partitions/{topic}/{p}         {"owner": broker id, "epoch": n, "hw": n, "log_start": n}
-                                 (written by the partition's first claim: none for unused partitions)
+  partitions/{topic}/{p}         {"owner": broker id, "epoch": n, "hw": n, "log_start": n, "fence": id}
+                                 (written by the partition's first claim: none for unused partitions;
+                                 with node flushes hw is the end of the compacted segments)
   segments/{topic}/{p}/{base}    manifest of one committed segment (base 20 digits)
+  fences/{fence id}              present while the log process that holds this id may commit node
+                                 objects (on its lease; a claim of one of its partitions deletes it)
+  wal/{fence id}/{seq}           directory of one committed node object (seq 12 digits), until
+                                 every partition's slice in it is compacted (kafscale.storage.wal)
   brokers/{id}                   {"host": ..., "port": ...} on the broker's lease
   owners/{topic}/{p}             id of the broker that owns the partition, on its lease
   draining/{id}                  present while an operator drains that broker
@@ -112,6 +117,7 @@ class PartitionState(_JsonRecord):
     epoch: int
     hw: int
     log_start: int
+    fence: str = ""  # the fence id of the owner that may still commit node objects with this partition
 
     @staticmethod
     def watermarks(state: PartitionState | None) -> tuple[int, int]:
@@ -133,6 +139,19 @@ class SegmentManifest(_JsonRecord):
     # [first sequence, last sequence, base offset] of each of its last batches
     # here (at most 5)]; a new owner rebuilds its duplicate check from these
     producers: dict[str, list[Any]] = field(default_factory=dict)
+    # where the segment starts in its object: -1 for a segment object of its own
+    # (.kfs), else the byte position of this partition's slice of a node object
+    pos: int = -1
+
+    @property
+    def ref(self) -> str:
+        """What names the segment's bytes (the cache key): its object, plus the position in a node object."""
+        return self.key if self.pos < 0 else f"{self.key}#{self.pos}"
+
+    @property
+    def start(self) -> int:
+        """Byte position of the segment's header in its object."""
+        return max(self.pos, 0)
 
     @property
     def newest_ms(self) -> int:
@@ -156,6 +175,7 @@ def name_of(part: bytes | str) -> str:
 
 TXN_MAX_OPS = 128  # etcd's default --max-txn-ops
 SCAN_PAGE = 1000  # keys per etcd range read in MetaStore.scan
+WAL_SCAN_PAGE = 50  # node object directories are larger: fewer per range read
 CAS_ATTEMPTS = 50  # a compare-and-swap that keeps losing to other writers gives up after this many tries
 
 
@@ -242,13 +262,13 @@ class MetaStore:
             await self.client.close()
             self.client = None
 
-    async def scan(self, prefix: bytes, keys_only: bool = False) -> AsyncIterator[Any]:
-        """Every key-value under prefix, read in pages of SCAN_PAGE keys at one
+    async def scan(self, prefix: bytes, keys_only: bool = False, page: int = SCAN_PAGE) -> AsyncIterator[Any]:
+        """Every key-value under prefix, read in pages of `page` keys at one
         revision: a range that grows (a partition's segment manifests, all the
         offsets) never needs one reply larger than etcd's 4 MiB gRPC limit."""
         start, end, revision = prefix, prefix_range_end(prefix), 0
         while True:
-            kvs, more, revision = await self.client.range_page(start, end, SCAN_PAGE, revision, keys_only)
+            kvs, more, revision = await self.client.range_page(start, end, page, revision, keys_only)
             for kv in kvs:
                 yield kv
             if not more or not kvs:
@@ -357,6 +377,39 @@ class MetaStore:
             raise Fenced(f"{topic}/{p}")
         return new_raw
 
+    # ------------------------------------------------------------ node objects
+    async def create_fence(self, fence: str, lease: Any) -> None:
+        await self.client.put(self.k("fences", fence), b"", lease=lease)
+
+    async def delete_fence(self, fence: str) -> None:
+        await self.client.delete(self.k("fences", fence))
+
+    async def commit_wal(self, fence: str, seq: int, directory: bytes) -> None:
+        """Commit one node object: one transaction whatever the partitions in it,
+        comparing one key (our fence: Fenced once a claim deleted it)."""
+        tx = self.client.transactions
+        ok, _ = await self.client.transaction(compare=[tx.version(self.k("fences", fence)) > 0],
+                                              success=[tx.put(self.k("wal", fence, f"{seq:012d}"), directory)],
+                                              failure=[])
+        if not ok:
+            raise Fenced(f"fence {fence} was taken")
+
+    async def fences(self) -> set[str]:
+        """The fence ids of the log processes that may commit node objects now."""
+        base = self.k("fences", "")
+        return {kv.key[len(base):].decode() async for kv in self.scan(base, keys_only=True)}
+
+    async def wal_directories(self) -> list[tuple[bytes, bytes]]:
+        """(key, directory) of every committed node object not yet compacted away."""
+        return [(kv.key, kv.value) async for kv in self.scan(self.k("wal", ""), page=WAL_SCAN_PAGE)]
+
+    async def wal_keys(self) -> list[bytes]:
+        return [kv.key async for kv in self.scan(self.k("wal", ""), keys_only=True)]
+
+    async def forget_wal(self, keys: list[bytes]) -> None:
+        tx = self.client.transactions
+        await self._write_all([tx.delete(k) for k in keys])
+
     async def set_draining(self, broker_id: int, draining: bool) -> None:
         if draining:
             await self.client.put(self.k("draining", broker_id), b"1")
@@ -387,20 +440,25 @@ class MetaStore:
             return None
         return PartitionState(**json.loads(r.value)), r.value
 
-    async def claim_partition(self, topic: str, p: int, broker_id: int) -> tuple[PartitionState, bytes]:
+    async def claim_partition(self, topic: str, p: int, broker_id: int, fence: str = ""
+                              ) -> tuple[PartitionState, bytes]:
         """Take ownership with a new epoch; returns the state and its raw value.
         A partition never claimed has no key yet: the first claim creates it,
-        and only while the topic exists (KeyError once it was deleted)."""
+        and only while the topic exists (KeyError once it was deleted). The
+        fence of the previous owner's log process, if another one's, is
+        deleted in the same transaction: none of its node objects commits after."""
         key, topic_key = self.k("partitions", topic, p), self.k("topics", topic)
         tx = self.client.transactions
         async for _ in _cas_attempts(f"claim of {topic}/{p}"):
             cur = await self.get_partition(topic, p)
             state, same = (cur[0], tx.value(key) == cur[1]) if cur else (PartitionState(-1, 0, 0, 0),
                                                                            tx.version(key) == 0)
-            new = PartitionState(broker_id, state.epoch + 1, state.hw, state.log_start)
+            new = PartitionState(broker_id, state.epoch + 1, state.hw, state.log_start, fence)
             new_raw = new.to_json()
-            ok, _ = await self.client.transaction(compare=[same, tx.version(topic_key) > 0],
-                                                  success=[tx.put(key, new_raw)], failure=[])
+            ops = [tx.put(key, new_raw)]
+            if state.fence and state.fence != fence:
+                ops.append(tx.delete(self.k("fences", state.fence)))
+            ok, _ = await self.client.transaction(compare=[same, tx.version(topic_key) > 0], success=ops, failure=[])
             if ok:
                 return new, new_raw
             if await self.client.get(topic_key) is None:

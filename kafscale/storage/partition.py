@@ -5,7 +5,13 @@ flusher gathers queued batches for `linger_ms` (or until `segment_bytes`),
 builds a .kfs segment, uploads it and its index, commits the manifest and
 new high watermark to etcd in one fenced transaction, and only then resolves
 the producers' futures. The high watermark (what Fetch may return) moves
-only after that commit, so every acknowledged record is in S3 and etcd."""
+only after that commit, so every acknowledged record is in S3 and etcd.
+
+With node flushes (`node_flush`) the node's NodeFlusher (storage/wal.py)
+takes the queued batches of every partition instead (`take`), writes them as
+slices of one object and reports the commit (`committed`); `compact` later
+rewrites the committed slices into a .kfs segment and moves the partition's
+checkpoint (the hw kept in etcd) to its end."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kafscale import _native, metrics
 from kafscale.config import Config
@@ -24,7 +30,11 @@ from kafscale.protocol.errors import ErrorCode
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectExists, ObjectStore
 from kafscale.storage.reader import LogError, LogReader, ReadBudget, SegmentSource
-from kafscale.storage.segment import build_segment, index_key, key_epoch, segment_key
+from kafscale.storage.segment import HEADER_SIZE, BuiltSegment, build_segment, index_key, key_epoch, segment_key
+from kafscale.storage.wal import continuing, retry
+
+if TYPE_CHECKING:
+    from kafscale.storage.wal import NodeFlusher, WalIndex
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +79,16 @@ class _ProducerState:
 class PartitionLog(LogReader):
     def __init__(self, topic: str, partition: int, cfg: Config, store: ObjectStore, meta: MetaStore,
                  cache: SegmentSource, budget: ReadBudget,
-                 on_change: Callable[[PartitionLog, SegmentManifest | None], None]) -> None:
+                 on_change: Callable[[PartitionLog, SegmentManifest | None], None],
+                 node: tuple[NodeFlusher, WalIndex, bytes] | None = None) -> None:
+        """node: with node flushes, the node's flusher, its WalIndex and the topic's id."""
         super().__init__(store, cache, cfg.readahead_bytes, budget)
         self.topic = topic
         self.partition = partition
+        self.node = node
+        self.checkpoint = 0  # the hw in etcd: with node flushes, the end of the compacted segments
+        self.fence = ""  # node flushes: the fence of the flusher it was opened under (its claim names it)
+        self._compacting = asyncio.Lock()
         self.cfg = cfg
         self.meta = meta
         self.segment_bytes = cfg.segment_bytes  # the topic's segment.bytes
@@ -99,13 +115,23 @@ class PartitionLog(LogReader):
 
     # ------------------------------------------------------------------ life
     async def open(self) -> None:
-        state, raw = await self.meta.claim_partition(self.topic, self.partition, self.cfg.node_id)
+        self.fence = self.node[0].fence if self.node else ""  # node flushes: only under this fence
+        state, raw = await self.meta.claim_partition(self.topic, self.partition, self.cfg.node_id, self.fence)
+        claimed_at = time.monotonic()
         self.epoch, self._state_raw = state.epoch, raw
-        self.hw = self.next_offset = state.hw
+        self.hw = self.next_offset = self.checkpoint = state.hw
         self.log_start = state.log_start
-        self.set_segments([m for m in await self.meta.list_segments(self.topic, self.partition) if m.last < self.hw])
+        segments = [m for m in await self.meta.list_segments(self.topic, self.partition) if m.last < self.hw]
+        if self.node is not None:  # and the slices committed since the checkpoint, in node objects
+            _, wal, topic_id = self.node
+            tail = continuing(await wal.slices(topic_id, self.partition, claimed_at), self.hw,
+                              f"{self.topic}/{self.partition}")
+            segments += tail
+            self.hw = self.next_offset = tail[-1].last + 1 if tail else self.hw
+        self.set_segments(segments)
         self._producers = producer_states(self.segments)
-        self._flusher = asyncio.create_task(self._flush_loop(), name=f"flush {self.topic}/{self.partition}")
+        if self.node is None:
+            self._flusher = asyncio.create_task(self._flush_loop(), name=f"flush {self.topic}/{self.partition}")
         self._sweeper = asyncio.create_task(self._sweep_orphans(), name=f"sweep {self.topic}/{self.partition}")
         log.info("opened %s/%d epoch=%d hw=%d segments=%d", self.topic, self.partition, self.epoch, self.hw,
                  len(self.segments))
@@ -114,7 +140,7 @@ class PartitionLog(LogReader):
         """Stop taking appends; with drain_s, first give queued batches that long
         to become durable. Whatever is left is failed (never acknowledged)."""
         self.closed = True
-        if drain_s > 0 and self._flusher and not self._flusher.done():
+        if drain_s > 0 and (self.node is not None or (self._flusher and not self._flusher.done())):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), drain_s)
         tasks = [t for t in (self._flusher, self._sweeper, *self._flushes) if t is not None]
@@ -176,8 +202,120 @@ class PartitionLog(LogReader):
         self._pending.append(_Pending(payload, base, fut, release, producer))
         self._pending_bytes += len(payload)
         self._idle.clear()
-        self._wake.set()
+        if self.node is not None:
+            self.node[0].notify(self, len(payload))
+        else:
+            self._wake.set()
         return base, fut
+
+    # ---------------------------------------------------------- node flushes
+    def has_queued(self) -> bool:
+        return bool(self._pending)
+
+    def take(self, limit: int) -> list[_Pending]:
+        """The node flusher takes queued batches (at least one, then up to limit bytes)."""
+        take, size = [], 0
+        for p in self._pending:
+            if take and size + len(p.payload) > limit:
+                break
+            take.append(p)
+            size += len(p.payload)
+        self._pending = self._pending[len(take):]
+        self._pending_bytes -= size
+        self._inflight.extend(take)
+        return take
+
+    @staticmethod
+    def producers_of(items: list[_Pending]) -> dict[str, list[Any]]:
+        return producers_of(items)
+
+    def committed(self, manifest: SegmentManifest, items: list[_Pending], seg: BuiltSegment) -> None:
+        """The node object holding these batches (a slice of it: manifest) is committed."""
+        self.add_segment(manifest)
+        self.hw = manifest.last + 1
+        self.cache.put(manifest.ref, CachedSegment.from_built(seg))
+        self._resolve(items)
+        self._on_change(self, manifest)
+        if not self._pending and not self._inflight:
+            self._idle.set()
+
+    def flush_failed(self) -> None:
+        """A node object with our batches failed (fenced): nothing queued here can become durable."""
+        if not self.closed:
+            self.closed = True
+            self._fail_pending(self._inflight + self._pending, ErrorCode.NOT_LEADER_OR_FOLLOWER)
+            self._pending, self._inflight = [], []
+            self._on_change(self, None)
+        self._idle.set()
+
+    def compaction_due(self, now_ms: int) -> bool:
+        """Whether the committed slices should be compacted now: their oldest is
+        compaction_lag_ms old, or they hold segment.bytes."""
+        slices = [m for m in self.segments if m.pos >= 0]
+        return bool(slices) and (slices[0].created_ms <= now_ms - self.cfg.compaction_lag_ms
+                                 or sum(m.size for m in slices) >= self.segment_bytes)
+
+    def _to_compact(self) -> list[SegmentManifest]:
+        """The committed slices the next compaction takes: oldest first, up to segment.bytes."""
+        slices: list[SegmentManifest] = []
+        for m in self.segments:
+            if m.pos < 0:
+                continue
+            if slices and sum(s.size for s in slices) + m.size > self.segment_bytes:
+                break
+            slices.append(m)
+        return slices
+
+    def compaction_bytes(self) -> int:
+        """Bytes the next compaction reads (it holds about twice that while it builds the segment)."""
+        return sum(m.size for m in self._to_compact())
+
+    async def compact(self) -> None:
+        """Rewrite the committed slices (oldest first, up to segment.bytes) into
+        one .kfs segment with its index, commit its manifest and the new
+        checkpoint in one fenced transaction, then serve from it."""
+        async with self._compacting:
+            slices = self._to_compact()
+            if not slices or self.closed:
+                return
+            parts = []
+            for m in slices:
+                whole = await self.whole(m)  # from the cache, else one ranged GET
+                parts.append((memoryview(whole.data)[HEADER_SIZE:whole.body_end], m.base))
+            seg = build_segment(parts, int(time.time() * 1000))
+            key = segment_key(self.cfg.namespace, self.topic, self.partition, seg.base_offset, self.epoch)
+            manifest = SegmentManifest(seg.base_offset, seg.last_offset, seg.count, len(seg.data),
+                                       seg.min_timestamp, seg.max_timestamp, key, min(m.created_ms for m in slices),
+                                       {str(pid): [st.epoch, [list(b) for b in st.recent]]
+                                        for pid, st in producer_states(slices).items()})
+            await self._retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, seg.data, seg.index),
+                                                                           self.cfg.s3_timeout_s))
+
+            async def commit() -> None:
+                async with self._commit_lock:
+                    new_state = PartitionState(self.cfg.node_id, self.epoch, seg.last_offset + 1, self.log_start,
+                                               self.fence)
+                    self._state_raw = await self._commit(new_state, manifest)
+                    self.checkpoint = seg.last_offset + 1
+
+            try:
+                await self._retry(f"commit of {key}", commit)
+            except Fenced:  # a new owner (or the topic was deleted): the segment is nobody's
+                log.warning("%s/%d: fenced by a newer owner while compacting", self.topic, self.partition)
+                self.flush_failed()
+                await self._delete_objects([manifest], "a fenced compaction")
+                return
+            self.cache.put(manifest.ref, CachedSegment.from_built(seg))
+            self.add_segment(manifest)
+            self._on_change(self, manifest)
+
+    async def release_fence(self) -> None:
+        """Handing over with nothing in flight: clear our fence from the partition's
+        state, so that the next owner's claim does not fence the whole node."""
+        async with self._commit_lock:
+            new_state = PartitionState(self.cfg.node_id, self.epoch, self.checkpoint, self.log_start, "")
+            self._state_raw = await self.meta.set_log_start(self.topic, self.partition, self._state_raw,
+                                                            new_state, [])
 
     def _durable_future(self, base: int) -> asyncio.Future[int]:
         """A future for the queued batch at `base` (resolved at once if committed):
@@ -278,19 +416,7 @@ class PartitionLog(LogReader):
                 p.future.set_exception(LogError(code))
 
     async def _retry(self, what: str, step: Callable[[], Awaitable[None]]) -> None:
-        """Run step until it succeeds: S3 or etcd being down keeps the data
-        queued (and producers waiting), never drops it. Fenced is final."""
-        delay = 0.05
-        while True:
-            try:
-                return await step()
-            except Fenced:
-                raise
-            except Exception as exc:
-                log.warning("%s/%d: %s failed (%s); retrying in %.2fs", self.topic, self.partition, what,
-                            repr(exc) if isinstance(exc, TimeoutError) else exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        await retry(f"{self.topic}/{self.partition}: {what}", step)
 
     async def _flush(self, items: list[_Pending], prev: asyncio.Task[None] | None) -> None:
         try:  # holds an upload slot (taken by _flush_loop) until the upload ends
@@ -319,13 +445,18 @@ class PartitionLog(LogReader):
                 self.hw = seg.last_offset + 1
 
         await self._retry(f"commit of {key}", commit)
+        self.checkpoint = self.hw
         self.cache.put(key, CachedSegment.from_built(seg))
+        self._resolve(items)
+        self._on_change(self, manifest)
+
+    def _resolve(self, items: list[_Pending]) -> None:
+        """These batches are durable: acknowledge them."""
         done = {id(p) for p in items}
         self._inflight = [p for p in self._inflight if id(p) not in done]
         for p in items:
             if p.future is not None and not p.future.done():
                 p.future.set_result(p.base)
-        self._on_change(self, manifest)
 
     async def _upload(self, key: str, data: bytearray, index: bytes) -> None:
         """Write both objects once. The key carries our epoch, which only this
@@ -392,7 +523,7 @@ class PartitionLog(LogReader):
     async def _move_log_start(self, new_start: int, drop: list[SegmentManifest]) -> None:
         """Fenced in etcd: the new log start offset, and the manifests of the dropped segments gone.
         Called with the commit lock held; drop is a prefix of self.segments."""
-        new_state = PartitionState(self.cfg.node_id, self.epoch, self.hw, new_start)
+        new_state = PartitionState(self.cfg.node_id, self.epoch, self.checkpoint, new_start, self.fence)
         self._state_raw = await self.meta.set_log_start(self.topic, self.partition, self._state_raw, new_state,
                                                         [m.base for m in drop])
         self.log_start = new_start
@@ -402,7 +533,9 @@ class PartitionLog(LogReader):
     async def _delete_objects(self, drop: list[SegmentManifest], why: str) -> None:
         """Delete segments no manifest names any more (failures leave only garbage)."""
         for m in drop:
-            self.cache.drop_prefix(m.key)
+            self.cache.drop_prefix(m.ref)
+            if m.pos >= 0:  # a node object's slice: the object goes once all its slices are gone (wal.collect)
+                continue
             try:
                 await asyncio.gather(self.store.delete(m.key), self.store.delete(index_key(m.key)))
             except Exception as exc:

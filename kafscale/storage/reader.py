@@ -84,7 +84,7 @@ class _Window:
     """Whole batches at bytes [start, end) of one segment, offsets [first, stop),
     read with one ranged GET. Windows start and end where the segment's index
     has an entry, so that windows ahead can be planned before the data arrives."""
-    key: str
+    ref: str  # the segment's SegmentManifest.ref
     start: int
     end: int
     first: int
@@ -92,8 +92,8 @@ class _Window:
     at_end: bool  # the window reaches the end of the segment body
     data: asyncio.Task[CachedSegment]
 
-    def covers(self, key: str, offset: int) -> bool:
-        return self.key == key and self.first <= offset < self.stop
+    def covers(self, ref: str, offset: int) -> bool:
+        return self.ref == ref and self.first <= offset < self.stop
 
 
 class _Cursor(collections.deque[_Window]):
@@ -125,13 +125,21 @@ class LogReader:
         self.segments = segments
         self._bases = [m.base for m in segments]
 
-    def add_segment(self, m: SegmentManifest) -> None:
-        self.segments.append(m)
-        self._bases.append(m.base)
+    def add_segment(self, m: SegmentManifest) -> list[SegmentManifest]:
+        """Add a committed segment after the others; a compacted one replaces the
+        node object slices it was built from (returned)."""
+        i = bisect.bisect_left(self._bases, m.base)
+        j = bisect.bisect_right(self._bases, m.last)
+        replaced = self.segments[i:j]
+        self.segments[i:j] = [m]
+        self._bases[i:j] = [m.base]
+        for r in replaced:
+            self._indexes.pop(r.ref, None)
+        return replaced
 
     def drop_segments(self, n: int) -> None:
         for m in self.segments[:n]:
-            self._indexes.pop(m.key, None)
+            self._indexes.pop(m.ref, None)
         self.segments = self.segments[n:]
         self._bases = self._bases[n:]
 
@@ -202,12 +210,12 @@ class LogReader:
         the cursor they came from (None: the cache). None when not `wait` and
         the data is not at hand yet."""
         m = self.segments[i]
-        seg = self.cache.get(m.key)
+        seg = self.cache.get(m.ref)
         if seg is not None:
             metrics.SEGMENT_READS.labels(metrics.node(), "cache").inc()
             chunk, to_end = seg.slice_from(offset, max_bytes)
             return chunk, m.last + 1 if to_end else None, None
-        if not wait and not any(w.covers(m.key, offset) and w.data.done() for c in self.cursors for w in c):
+        if not wait and not any(w.covers(m.ref, offset) and w.data.done() for c in self.cursors for w in c):
             return None
         metrics.SEGMENT_READS.labels(metrics.node(), "s3").inc()
         while True:
@@ -230,7 +238,7 @@ class LogReader:
         becomes the most recently read."""
         for cursor in self.cursors:
             if cursor[0].first <= offset <= cursor[-1].stop:
-                while cursor and not cursor[0].covers(m.key, offset):
+                while cursor and not cursor[0].covers(m.ref, offset):
                     self._drop(cursor.popleft())
                 self.cursors.remove(cursor)
                 if not cursor:
@@ -266,8 +274,10 @@ class LogReader:
         return cursor, w
 
     def _whole(self, m: SegmentManifest, offset: int) -> bool:
-        """Whether one window from the segment's start holds its body (no index needed)."""
-        return offset == m.base and m.size - FOOTER_SIZE - HEADER_SIZE <= self.readahead_bytes
+        """Whether one window from the segment's start holds its body (no index needed).
+        A slice of a node object has no index: it is read whole (node objects are
+        at most readahead_bytes)."""
+        return m.pos >= 0 or (offset == m.base and m.size - FOOTER_SIZE - HEADER_SIZE <= self.readahead_bytes)
 
     async def _index_for(self, m: SegmentManifest, offset: int) -> SegmentIndex | None:
         return None if self._whole(m, offset) else await self._index(m)
@@ -291,7 +301,7 @@ class LogReader:
         start, end, first, stop = plan
         task = asyncio.create_task(self._fetch(m, start, end))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return _Window(m.key, start, end, first, stop, end == m.size - FOOTER_SIZE, task)
+        return _Window(m.ref, start, end, first, stop, end == m.size - FOOTER_SIZE, task)
 
     def _read_ahead(self, cursor: _Cursor) -> None:
         """Start the windows after a cursor's last one, up to AHEAD beyond its
@@ -303,12 +313,12 @@ class LogReader:
             if not 0 <= i < len(self.segments):
                 return
             m = self.segments[i]
-            if self.cache.holds(m.key):  # recent segments: read from the cache when their turn comes
+            if self.cache.holds(m.ref):  # recent segments: read from the cache when their turn comes
                 return
             offset = m.base if last.at_end else last.stop
             idx = None
             if not self._whole(m, offset):
-                idx = self._indexes.get(m.key)
+                idx = self._indexes.get(m.ref)
                 if idx is None:
                     self._load_index(m, cursor)
                     return
@@ -318,26 +328,26 @@ class LogReader:
             cursor.append(self._open(m, plan))
 
     def _load_index(self, m: SegmentManifest, cursor: _Cursor) -> None:
-        if m.key in self._loading:
+        if m.ref in self._loading:
             return
-        task = self._loading[m.key] = asyncio.create_task(self._index(m))
+        task = self._loading[m.ref] = asyncio.create_task(self._index(m))
 
         def loaded(t: asyncio.Task[SegmentIndex]) -> None:
-            self._loading.pop(m.key, None)
+            self._loading.pop(m.ref, None)
             if not t.cancelled() and t.exception() is None:
                 self._read_ahead(cursor)
 
         task.add_done_callback(loaded)
 
     async def _index(self, m: SegmentManifest) -> SegmentIndex:
-        idx = self._indexes.get(m.key)
+        idx = self._indexes.get(m.ref)
         if idx is None:
-            idx = self._indexes[m.key] = parse_index(await self.store.get(index_key(m.key)))
+            idx = self._indexes[m.ref] = parse_index(await self.store.get(index_key(m.key)))
         return idx
 
     async def _fetch(self, m: SegmentManifest, start: int, end: int) -> CachedSegment:
         """One ranged GET of the whole batches at bytes [start, end) of a segment."""
-        data = await self.store.get(m.key, start, end)
+        data = await self.store.get(m.key, m.start + start, m.start + end)
         infos = _native.scan_batches(data, partial=True)
         if not infos or infos[-1].position + infos[-1].size != len(data):
             raise LogError(ErrorCode.CORRUPT_MESSAGE, f"{m.key}: bytes {start}-{end} are not whole batches")
@@ -345,10 +355,11 @@ class LogReader:
 
     async def whole(self, m: SegmentManifest) -> CachedSegment:
         """The whole segment, from the cache or with one GET (then cached)."""
-        seg = self.cache.get(m.key)
+        seg = self.cache.get(m.ref)
         if seg is None:
-            seg = CachedSegment.from_object(await self.store.get(m.key))
-            self.cache.put(m.key, seg)
+            whole = await (self.store.get(m.key) if m.pos < 0 else self.store.get(m.key, m.pos, m.pos + m.size))
+            seg = CachedSegment.from_object(whole)
+            self.cache.put(m.ref, seg)
         return seg
 
     async def offset_for_timestamp(self, ts: int) -> tuple[int, int]:

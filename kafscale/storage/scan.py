@@ -30,6 +30,7 @@ from kafscale.storage.segment import (
     parse_index,
     parse_segment_key,
 )
+from kafscale.storage.wal import by_partition, continuing
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,10 @@ class Segment:
     key: str
     base: int
     last: int
-    size: int  # whole object, header and footer included
+    size: int  # whole segment, header and footer included
     min_ts: int = -1  # -1: not known (S3 listing)
     max_ts: int = -1
+    pos: int = 0  # where the segment starts in its object (a slice of a node object: not at 0)
 
 
 @dataclass(frozen=True)
@@ -112,18 +114,22 @@ async def _from_etcd(opts: StoreOptions, topic: str) -> dict[int, tuple[list[Seg
         tm = await meta.get_topic(topic)
         if tm is None:
             raise ValueError(f"topic {topic!r} does not exist in cluster {opts.cluster!r}")
+        # node flushes: the records not compacted yet are slices of node objects, named by their directories
+        tails = by_partition([raw for _, raw in await meta.wal_directories()])
         out = {}
         for p in range(tm.partitions):
             hw, start = await meta.watermarks(topic, p)
-            segs = [_segment(p, m) for m in await meta.list_segments(topic, p) if start <= m.last < hw]
-            out[p] = (segs, max(start, segs[0].base if segs else start), hw)
+            manifests = [m for m in await meta.list_segments(topic, p) if m.last < hw]
+            manifests += continuing(tails.get((tm.id.hex(), p), []), hw, f"{topic}/{p}")
+            segs = [_segment(p, m) for m in manifests if m.last >= start]
+            out[p] = (segs, max(start, segs[0].base if segs else start), segs[-1].last + 1 if segs else hw)
         return out
     finally:
         await meta.close()
 
 
 def _segment(p: int, m: SegmentManifest) -> Segment:
-    return Segment(p, m.key, m.base, m.last, m.size, m.min_ts, m.max_ts)
+    return Segment(p, m.key, m.base, m.last, m.size, m.min_ts, m.max_ts, m.start)
 
 
 async def _from_listing(opts: StoreOptions, topic: str) -> dict[int, tuple[list[Segment], int, int]]:
@@ -189,7 +195,7 @@ async def offset_for_time(store: ObjectStore, segs: list[Segment], ts: int, hw: 
     for s in segs:
         if s.max_ts != -1 and s.max_ts < ts:
             continue
-        found = first_at_or_after(await store.get(s.key, HEADER_SIZE, s.size - FOOTER_SIZE), ts)
+        found = first_at_or_after(await store.get(s.key, s.pos + HEADER_SIZE, s.pos + s.size - FOOTER_SIZE), ts)
         if found is not None:
             return found[0]
     return hw
@@ -225,8 +231,8 @@ async def _cut(store: ObjectStore, topic: str, s: Segment, start: int, end: int,
     bigger. The index is read only for a segment that needs it."""
     body_end = s.size - FOOTER_SIZE
     lo, hi = max(start, s.base), min(end, s.last + 1)
-    if s.size <= max_bytes and lo == s.base:
-        return [Slice(topic, s.partition, s.key, HEADER_SIZE, body_end, lo, hi)]
+    if s.pos or (s.size <= max_bytes and lo == s.base):  # (a node object's slice has no index: read whole)
+        return [Slice(topic, s.partition, s.key, s.pos + HEADER_SIZE, s.pos + body_end, lo, hi)]
     idx = parse_index(await store.get(index_key(s.key)))
     first = max(bisect.bisect_right(idx.offsets, lo) - 1, 0)
     last = max(bisect.bisect_left(idx.offsets, hi) - 1, first)  # the entry at or before the range's last batch

@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from confluent_kafka import Producer
 
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
@@ -62,17 +63,21 @@ def test_sigkill_after_acks_loses_nothing(make_broker, topic_name):
     assert sorted(got) == list(range(len(got)))
 
 
-def test_leftover_of_a_crashed_owner_is_ignored_then_swept(make_broker, topic_name, stack):
-    """A crash between S3 upload and etcd commit leaves an object at the next
-    base offset under the dead owner's epoch; the next owner writes under its
-    own epoch, readers follow the manifests in etcd, and the next owner deletes
-    the leftover (its writer can never commit it) while committed segments stay."""
+@pytest.mark.parametrize("node_flush", [False, True])
+def test_leftover_of_a_crashed_owner_is_ignored_then_swept(make_broker, topic_name, stack, node_flush):
+    """A crash between S3 upload and etcd commit (of a segment, or with node
+    flushes of a compacted segment) leaves an object at the next base offset
+    under the dead owner's epoch; the next owner writes under its own epoch,
+    readers follow the manifests in etcd, and the next owner deletes the
+    leftover (its writer can never commit it) while committed segments stay."""
     from kafscale.storage.segment import index_key, segment_key
 
-    b = make_broker()
+    b = make_broker(node_flush=str(node_flush).lower(), compaction_lag_ms=300)
     create_topic(b.bootstrap, topic_name)
     first = [Rec(b"k", f"a{i}".encode()) for i in range(10)]
     assert confluent_produce(b.bootstrap, topic_name, first) == list(range(10))
+    first_segment = segment_key(b.cluster, topic_name, 0, 0, 1)
+    wait_for(lambda: first_segment in s3_keys(stack, f"{b.cluster}/"), 20, "the first segment")
     b.kill()
     s3 = stack.s3_client()
     leftover = segment_key(b.cluster, topic_name, 0, 10, 1)  # epoch 1: the killed broker's
@@ -83,7 +88,8 @@ def test_leftover_of_a_crashed_owner_is_ignored_then_swept(make_broker, topic_na
     assert confluent_produce(b.bootstrap, topic_name, second) == list(range(10, 20))
     got = confluent_consume(b.bootstrap, topic_name, 20)
     assert [r for _, r in got] == first + second
-    committed = [segment_key(b.cluster, topic_name, 0, 0, 1), segment_key(b.cluster, topic_name, 0, 10, 2)]
+    committed = [first_segment, segment_key(b.cluster, topic_name, 0, 10, 2)]
     wait_for(lambda: not {leftover, index_key(leftover)} & set(s3_keys(stack, f"{b.cluster}/")), 20,
              "the leftover to be deleted")
-    assert set(committed + [index_key(k) for k in committed]) <= set(s3_keys(stack, f"{b.cluster}/"))
+    wait_for(lambda: set(committed + [index_key(k) for k in committed]) <= set(s3_keys(stack, f"{b.cluster}/")),
+             20, "both segments")

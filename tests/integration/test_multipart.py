@@ -15,6 +15,7 @@ from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
 from kafscale.storage.objectstore import MIN_PART, ObjectExists, ObjectStore
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 from tests.integration.s3log import S3RequestLog
+from tests.integration.test_groups import wait_for
 
 
 @pytest.fixture
@@ -53,13 +54,19 @@ def test_parts_upload_concurrently_and_the_object_reads_back(stack, s3log):
 
 
 def test_a_broker_uploads_large_segments_in_parts_and_reads_them_back(make_broker, topic_name, s3log):
+    """The node object of a flush, then the segment it is compacted into, both above the threshold."""
     broker = make_broker(s3_endpoint=s3log.url, multipart_threshold=MIN_PART, linger_ms=3000,
-                         segment_bytes=64 << 20)
+                         segment_bytes=64 << 20, flush_bytes=64 << 20, compaction_lag_ms=500)
     create_topic(broker.bootstrap, topic_name)
-    recs = [Rec(b"k%d" % i, os.urandom(16 << 10), ()) for i in range(800)]  # 12.5 MiB: one segment
+    recs = [Rec(b"k%d" % i, os.urandom(16 << 10), ()) for i in range(800)]  # 12.5 MiB: one flush, one segment
     assert confluent_produce(broker.bootstrap, topic_name, recs, **{"linger.ms": 50}) == list(range(800))
-    uploads = {t.split("?")[0] for m, t, _, _ in s3log.timeline if m == "PUT" and "partNumber=" in t}
-    assert any(u.endswith(".kfs") for u in uploads), s3log.timeline
+
+    def uploaded_in_parts(suffix: str) -> bool:
+        return any(t.split("?")[0].endswith(suffix) for m, t, _, _ in s3log.timeline
+                   if m == "PUT" and "partNumber=" in t)
+
+    assert uploaded_in_parts(".kfn"), s3log.timeline
+    wait_for(lambda: uploaded_in_parts(".kfs"), 30, "the compacted segment's upload")
     broker.stop()
     broker.start()  # a fresh cache: the records come back from S3
     got = confluent_consume(broker.bootstrap, topic_name, len(recs))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from kafscale.protocol.errors import ErrorCode
@@ -36,9 +37,12 @@ def wait_for_log_start(bootstrap: str, topic: str, at_least: int, timeout: float
     raise AssertionError(f"log start offset did not reach {at_least}")
 
 
-def test_retention_bytes(make_broker, topic_name, stack):
-    b = make_broker(retention_check_ms=300)
-    create_topic(b.bootstrap, topic_name, config={"retention.bytes": "35000"})
+@pytest.mark.parametrize("node_flush", [False, True])
+def test_retention_bytes(make_broker, topic_name, stack, node_flush):
+    """With node flushes, slices and the segments compacted from them (one each:
+    segment.bytes is about one record) go alike."""
+    b = make_broker(retention_check_ms=300, node_flush=str(node_flush).lower(), compaction_lag_ms=300)
+    create_topic(b.bootstrap, topic_name, config={"retention.bytes": "35000", "segment.bytes": "10000"})
     produce_segments(b.bootstrap, topic_name, 10)  # ~10 KiB each
     # 3 segments (~30 KB) fit in 35 KB, 4 do not; wait for the pass that saw all 10
     # (an earlier pass, while they were still being produced, may have stopped at 6)
@@ -47,8 +51,8 @@ def test_retention_bytes(make_broker, topic_name, stack):
     # the log start moves first; the segments below it are deleted right after
     wait_for(lambda: len([k for k in s3_keys(stack, f"{b.cluster}/{topic_name}/0/") if k.endswith(".kfs")])
              == 10 - lo, 30, "the segments below the log start to be deleted from S3")
-    manifests = [k for k in etcd_keys(stack, f"/kafscale/{b.cluster}/segments/{topic_name}/0/")]
-    assert len(manifests) == 10 - lo
+    wait_for(lambda: len(etcd_keys(stack, f"/kafscale/{b.cluster}/segments/{topic_name}/0/")) == 10 - lo, 30,
+             "the manifests of the segments below the log start to go")
     # below the log start: OFFSET_OUT_OF_RANGE; a consumer with auto.offset.reset=earliest lands on lo
     c = RawClient(b.bootstrap)
     assert fetch_raw(c, topic_name, 0, 0)["error_code"] == ErrorCode.OFFSET_OUT_OF_RANGE

@@ -6,14 +6,18 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
 
 from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
+from tests.conftest import BrokerProcess
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic, sample_records
 from tests.integration.s3log import S3RequestLog
+from tests.integration.test_groups import wait_for
+from tests.integration.test_topics_offsets import etcd_keys
 
 pyspark = pytest.importorskip("pyspark")
 
@@ -21,6 +25,15 @@ CODECS = ["none", "gzip", "snappy", "lz4", "zstd"]
 T0 = 1_700_000_000_000
 # records here carry T0-based (2023) timestamps: their topics keep them whatever their age
 KEEP = {"retention.ms": "-1"}
+
+
+@pytest.fixture(scope="module")
+def broker(stack, tmp_path_factory) -> Iterator[BrokerProcess]:
+    """Compacting half a second after a flush: a reader without etcd finds compacted segments only."""
+    b = BrokerProcess(stack, tmp_path_factory.mktemp("broker"), f"m{uuid.uuid4().hex[:10]}",
+                      auto_create_topics="true", default_partitions=1, compaction_lag_ms=500).start()
+    yield b
+    b.stop()
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +49,11 @@ def source(spark, broker, topic: str, endpoint: str, etcd: bool = True, **option
     if etcd:
         opts.update(etcd=broker.stack.etcd_endpoint, cluster=broker.cluster)
     return spark.read.format("kafscale").options(**opts).load()
+
+
+def compacted(broker) -> None:
+    """Wait until every node object slice is compacted into segments (none is named in etcd)."""
+    wait_for(lambda: not etcd_keys(broker.stack, f"/kafscale/{broker.cluster}/wal/"), 30, "compaction")
 
 
 def rows_by_position(df) -> dict[tuple[int, int], tuple]:
@@ -66,8 +84,12 @@ def test_reads_every_record_with_mixed_codecs(spark, broker, topic_name):
             for o, r, t in zip(offsets, recs, ts, strict=True):
                 want[(p, o)] = (topic_name, r.key, r.value, t, 0, r.headers)
     endpoint = broker.stack.s3_endpoint
+    fresh = source(spark, broker, topic_name, endpoint)  # as acknowledged: mostly node object slices
+    assert fresh.columns == ["key", "value", "topic", "partition", "offset", "timestamp", "timestampType", "headers"]
+    assert rows_by_position(fresh) == want
+    # once compacted: whole segments, found in etcd or (without etcd) by listing S3, or cut at index entries
+    compacted(broker)
     whole = source(spark, broker, topic_name, endpoint)
-    assert whole.columns == ["key", "value", "topic", "partition", "offset", "timestamp", "timestampType", "headers"]
     assert rows_by_position(whole) == want
     listed = source(spark, broker, topic_name, endpoint, etcd=False)
     assert rows_by_position(listed) == want
@@ -105,8 +127,9 @@ def produce_rounds(broker, topic: str, rounds: int, per_round: int) -> list[list
 
 
 def test_offset_and_time_ranges_read_only_the_needed_objects(spark, broker, topic_name, s3log):
-    create_topic(broker.bootstrap, topic_name, config=KEEP)
+    create_topic(broker.bootstrap, topic_name, config={**KEEP, "segment.bytes": "4096"})  # compacted into several
     rounds = produce_rounds(broker, topic_name, 5, 200)
+    compacted(broker)
     keys = segment_keys(broker, topic_name)
     base_of = {k: int(k.rsplit("segment-", 1)[1][:20]) for k in keys}
 

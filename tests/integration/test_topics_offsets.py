@@ -20,6 +20,7 @@ from kafscale.protocol.framing import decode_response, encode_request
 from kafscale.protocol.schemas import CREATE_TOPICS, FETCH, LIST_OFFSETS, METADATA, PRODUCE
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic, sample_records
 from tests.integration.rawclient import RawClient
+from tests.integration.test_groups import wait_for
 
 
 def s3_keys(stack, prefix: str) -> list[str]:
@@ -69,16 +70,21 @@ def test_create_topic_errors(make_broker, topic_name):
 
 
 def test_delete_topic_removes_objects_and_keys(make_broker, topic_name, stack):
-    b = make_broker()
+    """Its segments and keys at once; the node objects that held its records once they hold nothing else."""
+    b = make_broker(compaction_lag_ms=300)
     create_topic(b.bootstrap, topic_name, partitions=2)
     confluent_produce(b.bootstrap, topic_name, sample_records(20, "a"), partition=0)
     confluent_produce(b.bootstrap, topic_name, sample_records(20, "b"), partition=1)
-    assert s3_keys(stack, f"{b.cluster}/{topic_name}/")
+    assert etcd_keys(stack, f"/kafscale/{b.cluster}/wal/")  # in node objects first
+    wait_for(lambda: len([k for k in s3_keys(stack, f"{b.cluster}/{topic_name}/") if k.endswith(".kfs")]) == 2,
+             30, "compaction into a segment per partition")
+    confluent_produce(b.bootstrap, topic_name, sample_records(5, "c"), partition=0)  # and some not compacted
     assert any(topic_name.encode() in k for k in etcd_keys(stack, f"/kafscale/{b.cluster}/"))
     admin = AdminClient({"bootstrap.servers": b.bootstrap})
     admin.delete_topics([topic_name])[topic_name].result(30)
     assert s3_keys(stack, f"{b.cluster}/{topic_name}/") == []
     assert not any(topic_name.encode() in k for k in etcd_keys(stack, f"/kafscale/{b.cluster}/"))
+    wait_for(lambda: not etcd_keys(stack, f"/kafscale/{b.cluster}/wal/"), 30, "the node objects to be forgotten")
     assert topic_name not in admin.list_topics(timeout=10).topics
     # the name can be reused and starts again at offset 0 with only new data
     create_topic(b.bootstrap, topic_name)
@@ -221,22 +227,35 @@ def test_restart_serves_from_s3(make_broker, topic_name):
 
 
 def test_segments_cli(make_broker, topic_name):
-    b = make_broker()
+    """`kafscale segments ls|dump` show a record in its node object slice, then in the segment it is compacted into."""
+    b = make_broker(compaction_lag_ms=1000)
     create_topic(b.bootstrap, topic_name)
     big = b"compressible " * 50  # librdkafka sends batches that do not shrink uncompressed
     confluent_produce(b.bootstrap, topic_name, [Rec(b"key-1", b"value-1", (("h", b"x"),)), Rec(None, big)], "zstd")
     env = b.env()
-    ls = subprocess.run([sys.executable, "-m", "kafscale.cli", "segments", "ls", "--topic", topic_name],
-                        env=env, capture_output=True, text=True, timeout=60)
-    assert ls.returncode == 0, ls.stderr
-    key = next(line.split()[-1] for line in ls.stdout.splitlines() if line.endswith(".kfs"))
-    assert key.endswith("segment-00000000000000000000-0000000001.kfs")
-    dump = subprocess.run([sys.executable, "-m", "kafscale.cli", "segments", "dump", "--key", key],
-                          env=env, capture_output=True, text=True, timeout=60)
-    assert dump.returncode == 0, dump.stderr
-    assert 'offset=0' in dump.stdout and 'key="key-1" value="value-1" headers=h="x"' in dump.stdout
-    assert 'offset=1' in dump.stdout and 'key=null value="compressible compressible' in dump.stdout
-    assert "codec zstd" in dump.stdout
+
+    def segments(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "kafscale.cli", "segments", *args], env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    def dumped(key: str) -> None:
+        out = segments("dump", "--key", key)
+        assert 'offset=0' in out and 'key="key-1" value="value-1" headers=h="x"' in out
+        assert 'offset=1' in out and 'key=null value="compressible compressible' in out
+        assert "codec zstd" in out
+
+    keys = [line.split()[-1] for line in segments("ls", "--topic", topic_name).splitlines()[1:]]
+    if keys[0].endswith(".kfn#0"):  # not compacted yet: a slice of a node object
+        dumped(keys[0])
+        deadline = time.monotonic() + 30
+        while not keys[0].endswith(".kfs"):
+            assert time.monotonic() < deadline, "the slice was not compacted"
+            time.sleep(0.5)
+            keys = [line.split()[-1] for line in segments("ls", "--topic", topic_name).splitlines()[1:]]
+    assert keys[0].endswith("segment-00000000000000000000-0000000001.kfs")
+    dumped(keys[0])
 
 
 def test_topics_of_ten_thousand_partitions(broker, topic_name, stack):

@@ -1,0 +1,387 @@
+"""Node flushes: one object per flush cycle for every partition a log process
+owns, committed in one etcd transaction whatever the partition count.
+
+The NodeFlusher gathers the queued batches of all its partition logs for
+`linger_ms` (sooner once `flush_bytes` are queued), builds each partition's
+part as a complete .kfs segment (a *slice*), writes the slices back to back
+with a directory after them as one node object (If-None-Match), and commits
+the directory under `wal/{fence}/{seq}` in one etcd transaction that compares
+one key: the log process's fence. Producers are acknowledged after that
+commit. Up to MAX_UPLOADS objects upload at once; they commit in order.
+
+A claim of a partition deletes the fence of the log process that owned it
+before (etcd's claim transaction), so no later node object of that process
+commits; a fenced flusher fails what it held and its partitions are closed
+and reopened (`on_fenced`). Slices are compacted later into per-partition
+segments (PartitionLog.compact); `WalIndex` reads the directories back for a
+partition's new owner, and `collect` forgets node objects whose slices are
+all compacted, deleted or expired. The object format is in docs/segment-format.md."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kafscale import metrics
+from kafscale.config import Config
+from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest, TopicMeta
+from kafscale.protocol.types import TopicPartition
+from kafscale.storage.objectstore import ObjectExists, ObjectStore
+from kafscale.storage.segment import BuiltSegment, build_segment
+
+if TYPE_CHECKING:
+    from kafscale.storage.partition import PartitionLog, _Pending
+
+log = logging.getLogger(__name__)
+
+NODE_MAGIC = 0x4B46534E  # "KFSN"
+NODE_TRAILER = struct.Struct(">II")  # directory length, magic
+MAX_SLICES = 1000  # partitions in one node object (bounds the directory kept in etcd)
+MAX_UPLOADS = 4  # node objects uploading at once
+MAX_UNCOMMITTED = 8  # node objects built and not yet committed (bounds their memory)
+GRACE_S = 60.0  # a forgotten node object is deleted this long after (readers in flight finish)
+ORPHAN_AGE_S = 600.0  # an object no directory names is an orphan once this old (uploaded, never committed)
+
+
+def node_prefix(namespace: str) -> str:
+    """Where node objects live: '~' is in no topic name, so no topic's prefix holds them."""
+    return f"{namespace}/~node/"
+
+
+def node_key(namespace: str, fence: str, seq: int) -> str:
+    return f"{node_prefix(namespace)}{fence}/{seq:012d}.kfn"
+
+
+@dataclass
+class Slice:
+    """One partition's part of a node object."""
+    log: PartitionLog
+    items: list[_Pending]
+    seg: BuiltSegment
+    pos: int = 0
+
+
+def directory(key: str, created_ms: int, slices: list[Slice], topic_ids: dict[str, bytes]) -> bytes:
+    """The node object's directory (JSON, also its etcd value): per slice the
+    partition, its topic id and the slice's manifest fields."""
+    return json.dumps({"key": key, "created_ms": created_ms, "slices": [
+        {"topic": s.log.topic, "topic_id": topic_ids[s.log.topic].hex(), "partition": s.log.partition,
+         "base": s.seg.base_offset, "last": s.seg.last_offset, "count": s.seg.count, "pos": s.pos,
+         "size": len(s.seg.data), "min_ts": s.seg.min_timestamp, "max_ts": s.seg.max_timestamp,
+         "producers": s.log.producers_of(s.items)} for s in slices]}, separators=(",", ":")).encode()
+
+
+def node_directory(data: bytes | bytearray) -> dict[str, Any]:
+    """The directory of a whole node object (from its trailer)."""
+    n, magic = NODE_TRAILER.unpack_from(data, len(data) - NODE_TRAILER.size)
+    if magic != NODE_MAGIC:
+        raise ValueError(f"not a node object (magic {magic:#x})")
+    return dict(json.loads(bytes(data[len(data) - NODE_TRAILER.size - n:len(data) - NODE_TRAILER.size])))
+
+
+async def read_node_directory(store: ObjectStore, key: str, size: int) -> dict[str, Any]:
+    """The directory of a node object in S3, with two ranged GETs (trailer, then directory)."""
+    n, magic = NODE_TRAILER.unpack(await store.get(key, size - NODE_TRAILER.size, size))
+    if magic != NODE_MAGIC:
+        raise ValueError(f"{key} is not a node object (magic {magic:#x})")
+    return dict(json.loads(await store.get(key, size - NODE_TRAILER.size - n, size - NODE_TRAILER.size)))
+
+
+def slice_manifests(raw: bytes) -> tuple[str, list[tuple[str, str, int, SegmentManifest]]]:
+    """A directory's object key and its slices as (topic, topic id hex, partition, manifest)."""
+    d = json.loads(raw)
+    return d["key"], [(s["topic"], s["topic_id"], s["partition"],
+                       SegmentManifest(s["base"], s["last"], s["count"], s["size"], s["min_ts"], s["max_ts"],
+                                       d["key"], d["created_ms"], s["producers"], s["pos"]))
+                      for s in d["slices"]]
+
+
+def by_partition(directories: list[bytes]) -> dict[tuple[str, int], list[SegmentManifest]]:
+    """The slices of these directories per (topic id hex, partition), oldest first."""
+    out: dict[tuple[str, int], list[SegmentManifest]] = {}
+    for raw in directories:
+        for _, tid, p, m in slice_manifests(raw)[1]:
+            out.setdefault((tid, p), []).append(m)
+    for slices in out.values():
+        slices.sort(key=lambda m: m.base)
+    return out
+
+
+def continuing(slices: list[SegmentManifest], hw: int, what: str) -> list[SegmentManifest]:
+    """The slices (oldest first) that continue a log whose compacted segments end at hw."""
+    out = []
+    for m in slices:
+        if m.last < hw:
+            continue  # compacted already
+        if m.base != hw:
+            log.error("%s: node object slice %s starts at %d, expected %d: later slices ignored", what, m.ref,
+                      m.base, hw)
+            break
+        out.append(m)
+        hw = m.last + 1
+    return out
+
+
+async def committed_watermarks(meta: MetaStore, topics: list[TopicMeta]
+                               ) -> dict[TopicPartition, tuple[int, int, int]]:
+    """(high watermark, log start offset, slices not compacted yet) of every
+    partition of these topics, as committed: its checkpoint in etcd, moved past
+    the node object slices that continue it (what a broker that opened it would serve)."""
+    states = await meta.partition_states()
+    tails = by_partition([raw for _, raw in await meta.wal_directories()])
+    out = {}
+    for t in topics:
+        for p in range(t.partitions):
+            hw, start = PartitionState.watermarks(states.get(TopicPartition(t.name, p)))
+            tail = continuing(tails.get((t.id.hex(), p), []), hw, f"{t.name}/{p}")
+            out[TopicPartition(t.name, p)] = (tail[-1].last + 1 if tail else hw, start, len(tail))
+    return out
+
+
+class NodeFlusher:
+    def __init__(self, cfg: Config, store: ObjectStore, meta: MetaStore,
+                 topic_id: Callable[[str], bytes | None], on_fenced: Callable[[], Awaitable[None]]) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.meta = meta
+        self.topic_id = topic_id
+        self.on_fenced = on_fenced
+        self.fence = ""
+        self.seq = 0
+        self.queued: dict[PartitionLog, None] = {}  # logs with batches queued, in the order they queued them
+        self.queued_bytes = 0
+        self._first_at = 0.0
+        self._wake = asyncio.Event()
+        self._uploads = asyncio.Semaphore(MAX_UPLOADS)
+        self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
+        self._flushes: dict[asyncio.Task[None], set[PartitionLog]] = {}  # node objects under way, their logs
+        self._last: asyncio.Task[None] | None = None
+        self._loop: asyncio.Task[None] | None = None
+
+    async def start(self, lease: Any) -> None:
+        """Take a new fence on our lease: objects of an earlier fence never commit after this."""
+        self.fence = f"{self.cfg.node_id}-{uuid.uuid4().hex[:12]}"
+        self.seq = 0
+        self._last = None  # what the earlier fence had in flight is over (stop cancelled it)
+        await self.meta.create_fence(self.fence, lease)
+        if self._loop is None:
+            self._loop = asyncio.create_task(self._run(), name="node flush")
+
+    async def stop(self) -> None:
+        """Stop flushing; no object commits after this (the fence goes first)."""
+        tasks = [t for t in (self._loop, *self._flushes) if t is not None]
+        self.queued, self.queued_bytes = {}, 0
+        self._loop = None
+        try:
+            await self.meta.delete_fence(self.fence)
+        except Exception as exc:  # the lease's expiry deletes it
+            log.warning("deleting fence %s failed: %r", self.fence, exc)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def notify(self, lg: PartitionLog, n: int) -> None:
+        """A log queued n more bytes."""
+        if not self.queued_bytes:
+            self._first_at = time.monotonic()
+        self.queued[lg] = None
+        self.queued_bytes += n
+        self._wake.set()
+
+    async def settled(self, lg: PartitionLog) -> None:
+        """Wait until no object being flushed holds data of lg (committed or failed)."""
+        while holding := [t for t, logs in self._flushes.items() if lg in logs]:
+            await asyncio.wait(holding)
+
+    def _take(self) -> list[tuple[PartitionLog, list[_Pending]]]:
+        """Queued batches of up to MAX_SLICES partitions and about flush_bytes, in queue order."""
+        limit, taken, size = self.cfg.flush_bytes, [], 0
+        for lg in list(self.queued):
+            if len(taken) >= MAX_SLICES or (taken and size >= limit):
+                break
+            if lg.fence != self.fence:  # opened under an earlier fence: its claim does not fence us
+                del self.queued[lg]
+                lg.flush_failed()
+                continue
+            items = lg.take(limit - size)
+            if not lg.has_queued():
+                del self.queued[lg]
+            if items:
+                taken.append((lg, items))
+                size += sum(len(p.payload) for p in items)
+        self.queued_bytes = max(self.queued_bytes - size, 0) if self.queued else 0
+        self._first_at = time.monotonic()
+        if not self.queued:
+            self._wake.clear()
+        return taken
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            if self.queued_bytes < self.cfg.flush_bytes:  # linger from the oldest queued batch
+                wait = self._first_at + self.cfg.linger_ms / 1000 - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            await self._uncommitted.acquire()
+            await self._uploads.acquire()
+            taken = self._take()
+            if not taken:
+                self._uploads.release()
+                self._uncommitted.release()
+                continue
+            prev, self.seq = self._last, self.seq + 1
+            task = asyncio.create_task(self._flush(taken, self.seq, prev), name=f"node flush {self.seq}")
+            self._last = task
+            self._flushes[task] = {lg for lg, _ in taken}
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        logs = self._flushes.pop(task)
+        self._uncommitted.release()
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:  # fenced (or a bug): what it held never commits, nor anything queued after it
+            log.log(logging.WARNING if isinstance(exc, Fenced) else logging.ERROR, "node flush failed: %r", exc,
+                    exc_info=not isinstance(exc, Fenced))
+            for lg in logs:
+                lg.flush_failed()
+            asyncio.get_running_loop().create_task(self.on_fenced())
+
+    async def _flush(self, taken: list[tuple[PartitionLog, list[_Pending]]], seq: int,
+                     prev: asyncio.Task[None] | None) -> None:
+        created = int(time.time() * 1000)
+        try:  # holds an upload slot (taken by _run) until the upload ends
+            slices, pos = [], 0
+            for lg, items in taken:
+                seg = build_segment([(p.payload, p.base) for p in items], created)
+                for p in items:
+                    p.done_with_payload()
+                slices.append(Slice(lg, items, seg, pos))
+                pos += len(seg.data)
+            key = node_key(self.cfg.namespace, self.fence, seq)
+            ids = {}
+            for s in slices:
+                tid = self.topic_id(s.log.topic)
+                if tid is None:
+                    raise Fenced(f"topic {s.log.topic} was deleted")
+                ids[s.log.topic] = tid
+            dir_raw = directory(key, created, slices, ids)
+            body = bytearray().join([*(s.seg.data for s in slices), dir_raw,
+                                     NODE_TRAILER.pack(len(dir_raw), NODE_MAGIC)])
+            metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(body))
+            await retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, body), self.cfg.s3_timeout_s))
+        finally:
+            self._uploads.release()
+        if prev is not None:
+            await asyncio.wait([prev])  # commit in order
+            if prev.cancelled() or prev.exception() is not None:
+                raise Fenced("an earlier node object failed")
+
+        async def commit() -> None:
+            t = time.perf_counter()
+            await self.meta.commit_wal(self.fence, seq, dir_raw)
+            metrics.ETCD_SECONDS.labels(metrics.node()).observe(time.perf_counter() - t)
+
+        await retry(f"commit of {key}", commit)
+        for s in slices:
+            s.log.committed(SegmentManifest(s.seg.base_offset, s.seg.last_offset, s.seg.count, len(s.seg.data),
+                                            s.seg.min_timestamp, s.seg.max_timestamp, key, created,
+                                            s.log.producers_of(s.items), s.pos), s.items, s.seg)
+
+    async def _upload(self, key: str, body: bytearray) -> None:
+        try:
+            await self.store.put(key, body)
+        except ObjectExists:  # our own earlier attempt whose reply was lost (the fence id is ours alone)
+            if await self.store.size(key) != len(body):
+                raise Fenced(f"{key} exists with other content") from None
+
+
+async def retry(what: str, step: Callable[[], Awaitable[None]]) -> None:
+    """Run step until it succeeds: S3 or etcd being down keeps the data queued
+    (and producers waiting), never drops it. Fenced is final."""
+    delay = 0.05
+    while True:
+        try:
+            return await step()
+        except Fenced:
+            raise
+        except Exception as exc:
+            log.warning("%s failed (%s); retrying in %.2fs", what,
+                        repr(exc) if isinstance(exc, TimeoutError) else exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+class WalIndex:
+    """The slices of committed node objects per partition, read from etcd by
+    scans that partition claims share: a claim waits for a scan that began
+    after it, so it sees every node object committed before it."""
+
+    def __init__(self, meta: MetaStore) -> None:
+        self.meta = meta
+        self._scan: asyncio.Future[dict[tuple[str, int], list[SegmentManifest]]] | None = None
+        self._started = 0.0
+        self._parsed: dict[bytes, bytes] = {}  # directories never change
+
+    async def slices(self, topic_id: bytes, partition: int, claimed_at: float) -> list[SegmentManifest]:
+        """The partition's slices (oldest first) from a scan that began after claimed_at (time.monotonic())."""
+        if self._scan is None or self._started <= claimed_at:
+            self._started = time.monotonic()
+            self._scan = asyncio.ensure_future(self._read())
+        found = await asyncio.shield(self._scan)
+        return found.get((topic_id.hex(), partition), [])
+
+    async def _read(self) -> dict[tuple[str, int], list[SegmentManifest]]:
+        """The keys in one scan; the directories not read before, one get each."""
+        keys = await self.meta.wal_keys()
+        new = [k for k in keys if k not in self._parsed]
+        for k, kv in zip(new, await asyncio.gather(*(self.meta.client.get(k) for k in new)), strict=True):
+            if kv is not None:
+                self._parsed[k] = kv.value
+        self._parsed = {k: self._parsed[k] for k in keys if k in self._parsed}
+        return by_partition(list(self._parsed.values()))
+
+
+async def collect(meta: MetaStore, store: ObjectStore, namespace: str) -> int:
+    """Forget the node objects whose every slice is compacted (below its
+    partition's checkpoint), before its log start, or of a deleted topic; delete
+    them GRACE_S later; and delete objects no directory names (uploads that
+    never committed) once ORPHAN_AGE_S old. Returns how many were forgotten."""
+    topics = {t.name: t for t in await meta.list_topics()}
+    states = await meta.partition_states()
+    live_fences = await meta.fences()
+    dead_keys, dead_objects, named = [], [], set()
+    for wal_key, raw in await meta.wal_directories():
+        key, slices = slice_manifests(raw)
+        named.add(key)
+
+        def done(topic: str, tid: str, p: int, m: SegmentManifest) -> bool:
+            t = topics.get(topic)
+            st = states.get((topic, p))
+            return t is None or t.id.hex() != tid or st is None or st.hw > m.last or st.log_start > m.last
+
+        if all(done(*s) for s in slices):
+            dead_keys.append(wal_key)
+            dead_objects.append(key)
+    if dead_keys:
+        await meta.forget_wal(dead_keys)
+        asyncio.get_running_loop().call_later(GRACE_S, lambda: asyncio.ensure_future(_delete(store, dead_objects)))
+    now = time.time()
+    orphans = [o["Key"] for o in await store.list(node_prefix(namespace))
+               if o["Key"] not in named and o["Key"].split("/")[-2] not in live_fences
+               and now - o["LastModified"].timestamp() > ORPHAN_AGE_S]
+    await _delete(store, orphans)
+    return len(dead_keys)
+
+
+async def _delete(store: ObjectStore, keys: list[str]) -> None:
+    for key in keys:
+        try:
+            await store.delete(key)
+        except Exception as exc:  # left for the orphan sweep
+            log.warning("could not delete node object %s: %r", key, exc)

@@ -1,0 +1,194 @@
+"""Node flushes (`node_flush`): one object per flush cycle for all of a
+broker's partitions, one etcd transaction per object, compaction into
+per-partition segments; with real clients, etcd and SeaweedFS."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aetcd
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from kafscale import _native
+from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
+from kafscale.storage.scan import StoreOptions, plan, read_slice
+from kafscale.storage.wal import node_prefix
+from tests.integration.clients import create_topic
+from tests.integration.test_topics_offsets import etcd_keys, s3_keys
+
+PARTITIONS = 1000
+
+
+def spread(tag: str, n: int) -> list[tuple[int, bytes]]:
+    """n (partition, value) pairs, one per partition in turn."""
+    return [(i % PARTITIONS, f"{tag}-{i}".encode()) for i in range(n)]
+
+
+def produce_confluent(bootstrap: str, topic: str, recs: list[tuple[int, bytes]]) -> dict[bytes, tuple[int, int]]:
+    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5})
+    acked: dict[bytes, tuple[int, int]] = {}
+
+    def cb(err, msg) -> None:
+        assert err is None, err
+        acked[msg.value()] = (msg.partition(), msg.offset())
+
+    for part, value in recs:
+        p.produce(topic, value=value, partition=part, on_delivery=cb)
+        p.poll(0)
+    assert p.flush(120) == 0
+    return acked
+
+
+def produce_kafka_python(bootstrap: str, topic: str, recs: list[tuple[int, bytes]]) -> dict[bytes, tuple[int, int]]:
+    from kafka import KafkaProducer
+
+    p = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    futs = [(value, p.send(topic, value=value, partition=part)) for part, value in recs]
+    acked = {}
+    for value, f in futs:
+        md = f.get(timeout=120)
+        acked[value] = (md.partition, md.offset)
+    p.close()
+    return acked
+
+
+def produce_aiokafka(bootstrap: str, topic: str, recs: list[tuple[int, bytes]]) -> dict[bytes, tuple[int, int]]:
+    from aiokafka import AIOKafkaProducer
+
+    async def run() -> dict[bytes, tuple[int, int]]:
+        p = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+        await p.start()
+        try:
+            futs = [(value, await p.send(topic, value=value, partition=part)) for part, value in recs]
+            return {value: ((md := await f).partition, md.offset) for value, f in futs}
+        finally:
+            await p.stop()
+
+    return asyncio.run(run())
+
+
+def consume_all(bootstrap: str, topic: str, partitions: int = PARTITIONS) -> dict[int, list[tuple[int, bytes]]]:
+    """Every partition read from offset 0 to its high watermark by librdkafka:
+    partition -> [(offset, value)] in the order served."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "node-flush-reader", "enable.auto.commit": False})
+    ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in range(partitions)}
+    c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    out: dict[int, list[tuple[int, bytes]]] = {}
+    done = {p: 0 for p in ends}
+    deadline = time.monotonic() + 120
+    try:
+        while any(done[p] < ends[p] for p in ends):
+            assert time.monotonic() < deadline, "not everything was served"
+            for m in c.consume(1000, 0.5):
+                assert m.error() is None, m.error()
+                out.setdefault(m.partition(), []).append((m.offset(), m.value()))
+                done[m.partition()] = m.offset() + 1
+    finally:
+        c.close()
+    return out
+
+
+def wal_directories(stack, cluster: str) -> list[bytes]:
+    async def run() -> list[bytes]:
+        host, port = stack.etcd_endpoint.split(":")
+        async with aetcd.Client(host=host, port=int(port)) as c:
+            return [kv.value for kv in await c.get_prefix(f"/kafscale/{cluster}/wal/".encode())]
+    return asyncio.run(run())
+
+
+def count_keys(stack, cluster: str, area: str) -> int:
+    return len(etcd_keys(stack, f"/kafscale/{cluster}/{area}/"))
+
+
+def spark_read(stack, cluster: str, topic: str) -> dict[bytes, tuple[int, int]]:
+    """What the broker-less reader under the Spark source finds: value -> (partition, offset)."""
+    opts = StoreOptions(bucket=stack.bucket, namespace=cluster, endpoint=stack.s3_endpoint,
+                        access_key=DEV_ACCESS_KEY, secret_key=DEV_SECRET_KEY, etcd=stack.etcd_endpoint,
+                        cluster=cluster)
+    out = {}
+    for sl in asyncio.run(plan(opts, topic)):
+        data = read_slice(opts, sl)
+        for batch in _native.scan_batches(data, True):
+            for rec in _native.iter_records(batch, data):
+                if sl.start <= rec[0] < sl.end:
+                    out[rec[3]] = (sl.partition, rec[0])
+    return out
+
+
+def test_three_clients_on_a_thousand_partitions_one_object_per_flush(make_broker, stack, topic_name):
+    b = make_broker(node_flush="true", compaction_lag_ms=600_000)
+    create_topic(b.bootstrap, topic_name, partitions=PARTITIONS)
+    puts_before = stack.server_counts()["puts"]
+    acked = {**produce_confluent(b.bootstrap, topic_name, spread("librdkafka", 2 * PARTITIONS)),
+             **produce_kafka_python(b.bootstrap, topic_name, spread("kafka-python", PARTITIONS)),
+             **produce_aiokafka(b.bootstrap, topic_name, spread("aiokafka", PARTITIONS))}
+    assert len(acked) == 4 * PARTITIONS
+    # one object per flush cycle, with a slice of each partition that had batches, and no index object:
+    # one PUT per object, where a flush of each partition took two (its segment and index): 4x fewer here
+    puts = stack.server_counts()["puts"] - puts_before
+    directories = wal_directories(stack, b.cluster)
+    slices = sum(len(json.loads(d)["slices"]) for d in directories)
+    assert puts == len(directories) and 4 * puts <= 2 * slices, (puts, len(directories), slices)
+    assert count_keys(stack, b.cluster, "segments") == 0  # nothing compacted yet
+    served = consume_all(b.bootstrap, topic_name)
+    # byte for byte, at the acknowledged offsets, in offset order, each once
+    assert {v: (p, o) for p, recs in served.items() for o, v in recs} == acked
+    for recs in served.values():
+        assert [o for o, _ in recs] == list(range(len(recs)))
+
+
+def test_compaction_rewrites_slices_into_segments_and_forgets_node_objects(make_broker, stack, topic_name):
+    b = make_broker(node_flush="true", compaction_lag_ms=500)
+    partitions = 20
+    create_topic(b.bootstrap, topic_name, partitions=partitions)
+    recs = [(i % partitions, f"v{i}".encode()) for i in range(2000)]
+    acked = {}
+    for chunk in range(0, len(recs), 200):  # several flush cycles
+        acked.update(produce_confluent(b.bootstrap, topic_name, recs[chunk:chunk + 200]))
+    deadline = time.monotonic() + 60
+    while count_keys(stack, b.cluster, "wal"):
+        assert time.monotonic() < deadline, "node objects were not compacted away"
+        time.sleep(0.5)
+    segments = count_keys(stack, b.cluster, "segments")
+    assert partitions <= segments <= 4 * partitions  # compacted per partition, not per flush
+    served = consume_all(b.bootstrap, topic_name, partitions)
+    assert {v: (p, o) for p, recs in served.items() for o, v in recs} == acked
+    # the broker-less reader under the Spark source reads the compacted segments: every acknowledged record
+    assert spark_read(stack, b.cluster, topic_name) == acked
+    deadline = time.monotonic() + 90  # the objects go a grace period after their directories
+    while s3_keys(stack, node_prefix(b.cluster)):
+        assert time.monotonic() < deadline, "compacted node objects were not deleted"
+        time.sleep(1)
+
+
+@pytest.mark.parametrize("when", ["mid-produce"])
+def test_sigkill_keeps_every_acknowledged_record(make_broker, stack, topic_name, when):
+    b = make_broker(node_flush="true", compaction_lag_ms=2000)
+    partitions = 50
+    create_topic(b.bootstrap, topic_name, partitions=partitions)
+    p = Producer({"bootstrap.servers": b.bootstrap, "acks": "all", "linger.ms": 5, "retries": 0,
+                  "message.timeout.ms": 5000})
+    acked: dict[bytes, tuple[int, int]] = {}
+
+    def cb(err, msg) -> None:
+        if err is None:
+            acked[msg.value()] = (msg.partition(), msg.offset())
+
+    for i in range(6000):
+        p.produce(topic_name, value=b"r%d" % i, partition=i % partitions, on_delivery=cb)
+        p.poll(0)
+        if i == 4000:
+            b.kill()
+        if i % 100 == 0:
+            time.sleep(0.01)
+    p.flush(30)
+    assert 0 < len(acked) < 6000
+    b.start()
+    served = consume_all(b.bootstrap, topic_name, partitions)
+    got = {v: (part, o) for part, recs in served.items() for o, v in recs}
+    assert {v: got.get(v) for v in acked} == acked  # every acknowledged record, at its offset
+    for recs in served.values():
+        offsets = [o for o, _ in recs]
+        assert offsets == sorted(set(offsets))  # exactly once, in order
