@@ -19,8 +19,13 @@ The latency bound it checks against, measured in the same run before the
 brokers start: linger + 2 x p99 of a 64 KiB S3 PUT + p99 of a one-key etcd
 transaction.
 
-    python bench/partitions.py [--partitions 1,100,1000,10000] [--rates 2000,20000]
-                               [--seconds 15] [--drain 180]
+With --modes node,partition each load runs once with node flushes (one
+object per flush cycle for all partitions, the default) and once with a
+flush of each partition on its own (node_flush off), each compared to its
+own P = 1.
+
+    python -m bench.partitions [--partitions 1,100,1000,10000] [--rates 2000,20000]
+                               [--modes node,partition] [--seconds 15] [--drain 180]
 """
 from __future__ import annotations
 
@@ -71,6 +76,7 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
 
 @dataclass
 class Run:
+    mode: str
     partitions: int
     rate: int
     offered: int
@@ -134,9 +140,11 @@ def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float
     return i, len(lat), failed[0], sorted(lat), max(last_ack[0] - t0, seconds)
 
 
-def measure(stack: DevStack, logdir: Path, partitions: int, rate: int, seconds: float, drain: float) -> Run:
+def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int, seconds: float, drain: float
+            ) -> Run:
     cluster = f"p{partitions}r{rate}{uuid.uuid4().hex[:4]}"
-    proc, bootstrap = start_broker(stack, logdir, cluster, linger_ms=str(LINGER_MS))
+    proc, bootstrap = start_broker(stack, logdir, cluster, linger_ms=str(LINGER_MS),
+                                   node_flush=str(mode == "node").lower())
     try:
         log_process, *_ = broker_children(proc.pid)
         topic = "scale"
@@ -153,16 +161,16 @@ def measure(stack: DevStack, logdir: Path, partitions: int, rate: int, seconds: 
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
-    return Run(partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"],
+    return Run(mode, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"],
                end["txns"] - start["txns"], end["keys"] - start["keys"], end["db"] / (1 << 20), lat,
                cpu.cores["broker"], peak, idle)
 
 
 def report(runs: list[Run], bound: float) -> None:
-    for rate in sorted({r.rate for r in runs}):
-        rows = [r for r in runs if r.rate == rate]
+    for mode, rate in sorted({(r.mode, r.rate) for r in runs}):
+        rows = [r for r in runs if (r.mode, r.rate) == (mode, rate)]
         base = rows[0]
-        print(f"\n{rate} records/s of {RECORD} B offered, acks=all, linger {LINGER_MS} ms "
+        print(f"\n{mode} flushes: {rate} records/s of {RECORD} B offered, acks=all, linger {LINGER_MS} ms "
               f"(ratio to P = {base.partitions} in brackets)")
         print(f"{'P':>6} {'acked':>13} {'S3 PUT/s':>15} {'etcd txn/s':>15} {'ack p50 ms':>17} {'ack p99 ms':>17} "
               f"{'CPU cores':>12} {'log RSS MiB':>14} {'+etcd keys':>11} {'idle KiB/p':>10}")
@@ -186,6 +194,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--partitions", default="1,100,1000,10000", help="comma-separated partition counts")
     ap.add_argument("--rates", default="2000,20000", help="comma-separated offered records/s")
+    ap.add_argument("--modes", default="node", help="comma-separated: node (node flushes), partition (one flush "
+                    "of each partition on its own)")
     ap.add_argument("--seconds", type=float, default=15, help="how long each load is offered")
     ap.add_argument("--drain", type=float, default=180, help="how long to wait for the last acknowledgements")
     args = ap.parse_args()
@@ -198,11 +208,13 @@ def main() -> None:
             bound = LINGER_MS / 1000 + 2 * put_p99 + etcd_p99
             print(f"64 KiB S3 PUT p99 {put_p99 * 1000:.1f} ms, etcd transaction p99 {etcd_p99 * 1000:.1f} ms")
             runs = []
-            for rate in (int(x) for x in args.rates.split(",")):
-                for n in counts:
-                    runs.append(measure(stack, Path(tmp), n, rate, args.seconds, args.drain))
-                    r = runs[-1]
-                    print(f"P={n} rate={rate}: {r.acked}/{r.offered} acked in {r.seconds:.1f} s", flush=True)
+            for mode in args.modes.split(","):
+                for rate in (int(x) for x in args.rates.split(",")):
+                    for n in counts:
+                        runs.append(measure(stack, Path(tmp), mode, n, rate, args.seconds, args.drain))
+                        r = runs[-1]
+                        print(f"{mode} P={n} rate={rate}: {r.acked}/{r.offered} acked in {r.seconds:.1f} s",
+                              flush=True)
         finally:
             stack.stop()
     report(runs, bound)

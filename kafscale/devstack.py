@@ -197,7 +197,7 @@ class DevStack:
 
     def server_counts(self) -> dict[str, float]:
         """What SeaweedFS and etcd count themselves (their /metrics): S3 PUTs and
-        GETs, etcd transactions, etcd keys and etcd's DB size in bytes."""
+        GETs, etcd transactions (all of them, reads included), etcd keys and etcd's DB size in bytes."""
         from prometheus_client.parser import text_string_to_metric_families
 
         def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -212,7 +212,10 @@ class DevStack:
             return sum(v for (name, labels), v in s3.items()
                        if name == "SeaweedFS_s3_request_total" and ("type", kind) in labels)
 
-        return {"puts": requests("PUT"), "gets": requests("GET"), "txns": etcd[("etcd_mvcc_txn_total", ())],
+        # Txn calls etcd's gRPC server answered (etcd_mvcc_txn_total leaves out write-only transactions)
+        txns = sum(v for (name, labels), v in etcd.items()
+                   if name == "grpc_server_handled_total" and ("grpc_method", "Txn") in labels)
+        return {"puts": requests("PUT"), "gets": requests("GET"), "txns": txns,
                 "keys": etcd[("etcd_debugging_mvcc_keys_total", ())],
                 "db": etcd[("etcd_mvcc_db_total_size_in_bytes", ())]}
 
