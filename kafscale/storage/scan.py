@@ -84,7 +84,12 @@ class Segment:
     size: int  # whole segment, header and footer included
     min_ts: int = -1  # -1: not known (S3 listing)
     max_ts: int = -1
-    pos: int = 0  # where the segment starts in its object (a slice of a node object: not at 0)
+    pos: int = -1  # -1: an object of its own (.kfs); else a node object's slice starting at this byte
+
+    @property
+    def start(self) -> int:
+        """Byte position of the segment's header in its object."""
+        return max(self.pos, 0)
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,7 @@ async def _from_etcd(opts: StoreOptions, topic: str) -> dict[int, tuple[list[Seg
 
 
 def _segment(p: int, m: SegmentManifest) -> Segment:
-    return Segment(p, m.key, m.base, m.last, m.size, m.min_ts, m.max_ts, m.start)
+    return Segment(p, m.key, m.base, m.last, m.size, m.min_ts, m.max_ts, m.pos)
 
 
 async def _from_listing(opts: StoreOptions, topic: str) -> dict[int, tuple[list[Segment], int, int]]:
@@ -195,7 +200,7 @@ async def offset_for_time(store: ObjectStore, segs: list[Segment], ts: int, hw: 
     for s in segs:
         if s.max_ts != -1 and s.max_ts < ts:
             continue
-        found = first_at_or_after(await store.get(s.key, s.pos + HEADER_SIZE, s.pos + s.size - FOOTER_SIZE), ts)
+        found = first_at_or_after(await store.get(s.key, s.start + HEADER_SIZE, s.start + s.size - FOOTER_SIZE), ts)
         if found is not None:
             return found[0]
     return hw
@@ -231,8 +236,8 @@ async def _cut(store: ObjectStore, topic: str, s: Segment, start: int, end: int,
     bigger. The index is read only for a segment that needs it."""
     body_end = s.size - FOOTER_SIZE
     lo, hi = max(start, s.base), min(end, s.last + 1)
-    if s.pos or (s.size <= max_bytes and lo == s.base):  # (a node object's slice has no index: read whole)
-        return [Slice(topic, s.partition, s.key, s.pos + HEADER_SIZE, s.pos + body_end, lo, hi)]
+    if s.pos >= 0 or (s.size <= max_bytes and lo == s.base):  # (a node object's slice has no index: read whole)
+        return [Slice(topic, s.partition, s.key, s.start + HEADER_SIZE, s.start + body_end, lo, hi)]
     idx = parse_index(await store.get(index_key(s.key)))
     first = max(bisect.bisect_right(idx.offsets, lo) - 1, 0)
     last = max(bisect.bisect_left(idx.offsets, hi) - 1, first)  # the entry at or before the range's last batch

@@ -102,13 +102,14 @@ def count_keys(stack, cluster: str, area: str) -> int:
     return len(etcd_keys(stack, f"/kafscale/{cluster}/{area}/"))
 
 
-def spark_read(stack, cluster: str, topic: str) -> dict[bytes, tuple[int, int]]:
-    """What the broker-less reader under the Spark source finds: value -> (partition, offset)."""
+def spark_read(stack, cluster: str, topic: str, starting: str | None = None) -> dict[bytes, tuple[int, int]]:
+    """What the broker-less reader under the Spark source finds (from startingOffsets):
+    value -> (partition, offset)."""
     opts = StoreOptions(bucket=stack.bucket, namespace=cluster, endpoint=stack.s3_endpoint,
                         access_key=DEV_ACCESS_KEY, secret_key=DEV_SECRET_KEY, etcd=stack.etcd_endpoint,
                         cluster=cluster)
     out = {}
-    for sl in asyncio.run(plan(opts, topic)):
+    for sl in asyncio.run(plan(opts, topic, starting)):
         data = read_slice(opts, sl)
         for batch in _native.scan_batches(data, True):
             for rec in _native.iter_records(batch, data):
@@ -161,6 +162,17 @@ def test_compaction_rewrites_slices_into_segments_and_forgets_node_objects(make_
     while s3_keys(stack, node_prefix(b.cluster)):
         assert time.monotonic() < deadline, "compacted node objects were not deleted"
         time.sleep(1)
+
+
+def test_the_spark_reader_starts_inside_the_first_slice_of_a_node_object(make_broker, stack, topic_name):
+    """A partition's slice at byte 0 of its node object, read from an offset inside it:
+    read whole like any slice (a slice has no index object)."""
+    b = make_broker(compaction_lag_ms=600_000)
+    create_topic(b.bootstrap, topic_name)
+    acked = produce_confluent(b.bootstrap, topic_name, [(0, b"r%d" % i) for i in range(10)])
+    assert sorted(o for _, o in acked.values()) == list(range(10))
+    starting = json.dumps({topic_name: {"0": 5}})
+    assert spark_read(stack, b.cluster, topic_name, starting) == {v: po for v, po in acked.items() if po[1] >= 5}
 
 
 @pytest.mark.parametrize("when", ["mid-produce"])
