@@ -403,6 +403,11 @@ class MetaStore:
         """(key, directory) of every committed node object not yet compacted away."""
         return [(kv.key, kv.value) async for kv in self.scan(self.k("wal", ""), page=WAL_SCAN_PAGE)]
 
+    async def wal_directory(self, key: bytes) -> bytes | None:
+        """One committed directory, by its key from wal_keys (None once it is forgotten)."""
+        kv = await self.client.get(key)
+        return None if kv is None else bytes(kv.value)
+
     async def wal_keys(self) -> list[bytes]:
         return [kv.key async for kv in self.scan(self.k("wal", ""), keys_only=True)]
 

@@ -248,22 +248,30 @@ class PartitionLog(LogReader):
             self._on_change(self, None)
         self._idle.set()
 
+    def _slices(self) -> list[SegmentManifest]:
+        """The committed node object slices: always the tail of the segments (a
+        compaction replaces the oldest of them), so only they are looked at."""
+        i = len(self.segments)
+        while i and self.segments[i - 1].pos >= 0:
+            i -= 1
+        return self.segments[i:]
+
     def compaction_due(self, now_ms: int) -> bool:
         """Whether the committed slices should be compacted now: their oldest is
         compaction_lag_ms old, or they hold segment.bytes."""
-        slices = [m for m in self.segments if m.pos >= 0]
+        slices = self._slices()
         return bool(slices) and (slices[0].created_ms <= now_ms - self.cfg.compaction_lag_ms
                                  or sum(m.size for m in slices) >= self.segment_bytes)
 
     def _to_compact(self) -> list[SegmentManifest]:
         """The committed slices the next compaction takes: oldest first, up to segment.bytes."""
         slices: list[SegmentManifest] = []
-        for m in self.segments:
-            if m.pos < 0:
-                continue
-            if slices and sum(s.size for s in slices) + m.size > self.segment_bytes:
+        size = 0
+        for m in self._slices():
+            if slices and size + m.size > self.segment_bytes:
                 break
             slices.append(m)
+            size += m.size
         return slices
 
     def compaction_bytes(self) -> int:
@@ -442,10 +450,9 @@ class PartitionLog(LogReader):
                 new_state = PartitionState(self.cfg.node_id, self.epoch, seg.last_offset + 1, self.log_start)
                 self._state_raw = await self._commit(new_state, manifest)
                 self.add_segment(manifest)
-                self.hw = seg.last_offset + 1
+                self.hw = self.checkpoint = seg.last_offset + 1
 
         await self._retry(f"commit of {key}", commit)
-        self.checkpoint = self.hw
         self.cache.put(key, CachedSegment.from_built(seg))
         self._resolve(items)
         self._on_change(self, manifest)

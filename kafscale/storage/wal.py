@@ -60,21 +60,25 @@ def node_key(namespace: str, fence: str, seq: int) -> str:
 
 @dataclass
 class Slice:
-    """One partition's part of a node object."""
+    """One partition's part of a node object: its batches, the segment built of
+    them and that segment's manifest (naming the object and the slice's position)."""
     log: PartitionLog
     items: list[_Pending]
     seg: BuiltSegment
-    pos: int = 0
+    manifest: SegmentManifest
+
+    def entry(self, topic_id: bytes) -> dict[str, Any]:
+        """The slice in the directory: the partition, its topic id, the manifest's fields."""
+        m = self.manifest
+        return {"topic": self.log.topic, "topic_id": topic_id.hex(), "partition": self.log.partition,
+                "base": m.base, "last": m.last, "count": m.count, "pos": m.pos, "size": m.size,
+                "min_ts": m.min_ts, "max_ts": m.max_ts, "producers": m.producers}
 
 
 def directory(key: str, created_ms: int, slices: list[Slice], topic_ids: dict[str, bytes]) -> bytes:
-    """The node object's directory (JSON, also its etcd value): per slice the
-    partition, its topic id and the slice's manifest fields."""
-    return json.dumps({"key": key, "created_ms": created_ms, "slices": [
-        {"topic": s.log.topic, "topic_id": topic_ids[s.log.topic].hex(), "partition": s.log.partition,
-         "base": s.seg.base_offset, "last": s.seg.last_offset, "count": s.seg.count, "pos": s.pos,
-         "size": len(s.seg.data), "min_ts": s.seg.min_timestamp, "max_ts": s.seg.max_timestamp,
-         "producers": s.log.producers_of(s.items)} for s in slices]}, separators=(",", ":")).encode()
+    """The node object's directory (JSON, also its etcd value); slice_manifests reads it back."""
+    return json.dumps({"key": key, "created_ms": created_ms,
+                       "slices": [s.entry(topic_ids[s.log.topic]) for s in slices]}, separators=(",", ":")).encode()
 
 
 def node_directory(data: bytes | bytearray) -> dict[str, Any]:
@@ -255,15 +259,17 @@ class NodeFlusher:
     async def _flush(self, taken: list[tuple[PartitionLog, list[_Pending]]], seq: int,
                      prev: asyncio.Task[None] | None) -> None:
         created = int(time.time() * 1000)
+        key = node_key(self.cfg.namespace, self.fence, seq)
         try:  # holds an upload slot (taken by _run) until the upload ends
             slices, pos = [], 0
             for lg, items in taken:
                 seg = build_segment([(p.payload, p.base) for p in items], created)
                 for p in items:
                     p.done_with_payload()
-                slices.append(Slice(lg, items, seg, pos))
+                slices.append(Slice(lg, items, seg, SegmentManifest(
+                    seg.base_offset, seg.last_offset, seg.count, len(seg.data), seg.min_timestamp, seg.max_timestamp,
+                    key, created, lg.producers_of(items), pos)))
                 pos += len(seg.data)
-            key = node_key(self.cfg.namespace, self.fence, seq)
             ids = {}
             for s in slices:
                 tid = self.topic_id(s.log.topic)
@@ -289,9 +295,7 @@ class NodeFlusher:
 
         await retry(f"commit of {key}", commit)
         for s in slices:
-            s.log.committed(SegmentManifest(s.seg.base_offset, s.seg.last_offset, s.seg.count, len(s.seg.data),
-                                            s.seg.min_timestamp, s.seg.max_timestamp, key, created,
-                                            s.log.producers_of(s.items), s.pos), s.items, s.seg)
+            s.log.committed(s.manifest, s.items, s.seg)
 
     async def _upload(self, key: str, body: bytearray) -> None:
         try:
@@ -340,9 +344,9 @@ class WalIndex:
         """The keys in one scan; the directories not read before, one get each."""
         keys = await self.meta.wal_keys()
         new = [k for k in keys if k not in self._parsed]
-        for k, kv in zip(new, await asyncio.gather(*(self.meta.client.get(k) for k in new)), strict=True):
-            if kv is not None:
-                self._parsed[k] = kv.value
+        for k, raw in zip(new, await asyncio.gather(*(self.meta.wal_directory(k) for k in new)), strict=True):
+            if raw is not None:
+                self._parsed[k] = raw
         self._parsed = {k: self._parsed[k] for k in keys if k in self._parsed}
         return by_partition(list(self._parsed.values()))
 
