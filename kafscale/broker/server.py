@@ -34,8 +34,8 @@ from kafscale.security.sasl import ANONYMOUS, PROXY_MECHANISM, Lookup, ProxyIden
 log = logging.getLogger(__name__)
 
 _SIZE = struct.Struct(">i")
-MAX_IN_FLIGHT = 64
 WRITE_SLICE = 1024 * 1024  # responses are written in slices of this size (see KafkaServer._write)
+COALESCE_BYTES = 64 * 1024  # responses up to this size that are ready together are written in one go
 # the largest frame a connection may send before it authenticated (Kafka's sasl.server.max.receive.size)
 UNAUTHENTICATED_MAX_FRAME = 512 * 1024
 _conn_ids = itertools.count(1)
@@ -46,6 +46,7 @@ class ConnectionLimits:
     """What one client may make a listener hold, and for how long."""
     max_request_bytes: int  # the largest frame
     queued_request_bytes: int  # request bytes held at once across all connections: reading waits beyond it
+    in_flight: int  # requests of one connection read and not yet answered: reading it waits beyond it
     read_timeout_s: float  # a frame must arrive whole this soon after its size prefix
     idle_timeout_s: float  # a connection with no request for this long, and none pending, is closed
     write_timeout_s: float  # a client that takes no response bytes for this long is disconnected
@@ -53,6 +54,7 @@ class ConnectionLimits:
     @classmethod
     def from_config(cls, cfg: Any) -> ConnectionLimits:
         return cls(cfg.max_request_bytes, max(cfg.queued_max_request_bytes, cfg.max_request_bytes),
+                   max(cfg.max_in_flight_requests, 1),
                    cfg.request_read_timeout_s, cfg.connections_max_idle_ms / 1000, cfg.response_write_timeout_s)
 
 
@@ -227,7 +229,7 @@ class KafkaServer:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestContext] | None] = asyncio.Queue(
-            MAX_IN_FLIGHT)
+            self.limits.in_flight)
         sender = asyncio.create_task(self._send_loop(queue, writer, conn, peer))
         session = Session(conn, peer, authenticated=self.sasl is None,
                           client_host=f"/{peer[0]}" if isinstance(peer, tuple) else "")
@@ -290,8 +292,9 @@ class KafkaServer:
         gives them back when the request is done. Before authentication a frame
         may be UNAUTHENTICATED_MAX_FRAME bytes at most."""
         while True:
-            try:
-                head = await asyncio.wait_for(reader.readexactly(4), self.limits.idle_timeout_s)
+            try:  # asyncio.timeout: no task per read, as wait_for makes
+                async with asyncio.timeout(self.limits.idle_timeout_s):
+                    head = await reader.readexactly(4)
                 break
             except TimeoutError:
                 if session.in_flight == 0:
@@ -310,7 +313,8 @@ class KafkaServer:
                                     + ("" if session.authenticated else " before authentication"))
         await self.budget.take(size)
         try:
-            return memoryview(await asyncio.wait_for(reader.readexactly(size), self.limits.read_timeout_s))
+            async with asyncio.timeout(self.limits.read_timeout_s):
+                return memoryview(await reader.readexactly(size))
         except BaseException as exc:
             self.budget.give(size)
             if isinstance(exc, TimeoutError):
@@ -409,28 +413,49 @@ class KafkaServer:
 
     async def _send_loop(self, queue: asyncio.Queue[tuple[asyncio.Task[list[Any] | None], RequestContext] | None],
                          writer: asyncio.StreamWriter, conn: int, peer: Any) -> None:
+        """Answer the connection's requests in the order it sent them. Small
+        responses that are ready together (a node flush acknowledges many
+        produces at once) are copied into one buffer and written in one go;
+        a larger one is written from its own chunks (a Fetch's cached
+        segment bytes are not copied)."""
         current: tuple[asyncio.Task[list[Any] | None], RequestContext] | None = None
+        ready = bytearray()  # small responses not written yet
         try:
             while True:
-                current = await queue.get()
+                try:
+                    current = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    await self._flush(writer, ready)
+                    current = await queue.get()
                 if current is None:
+                    await self._flush(writer, ready)
                     return
                 task, hdr = current
+                if not task.done():
+                    await self._flush(writer, ready)
                 try:
                     chunks = await task
                 except ProtocolViolation as exc:
                     log.warning("conn %d from %s: closing: %s", conn, peer, exc)
+                    await self._flush(writer, ready)
                     writer.close()
                     return
                 except Exception:
                     log.exception("conn %d from %s: request failed; closing the connection", conn, peer)
+                    await self._flush(writer, ready)
                     writer.close()
                     return
-                await self._write(writer, chunks or ())
+                chunks = chunks or ()
+                if sum(len(c) for c in chunks) <= COALESCE_BYTES:
+                    for c in chunks:
+                        ready += c
+                else:
+                    await self._flush(writer, ready)
+                    await self._write(writer, chunks)
                 run_on_sent(hdr.on_sent)
                 current = None
-                if chunks is not None:
-                    await asyncio.wait_for(writer.drain(), self.limits.write_timeout_s)
+                if len(ready) >= COALESCE_BYTES:
+                    await self._flush(writer, ready)
         except TimeoutError:
             log.warning("conn %d from %s: closing: the client took no response bytes for %.0f s", conn, peer,
                         self.limits.write_timeout_s)
@@ -447,13 +472,20 @@ class KafkaServer:
                     item[0].cancel()
                     item[0].add_done_callback(lambda _t, h=item[1]: run_on_sent(h.on_sent))
 
+    async def _flush(self, writer: asyncio.StreamWriter, ready: bytearray) -> None:
+        """Write (and empty) the buffer of small responses."""
+        if ready:
+            data = bytes(ready)
+            ready.clear()
+            await self._write(writer, (data,))
 
     async def _write(self, writer: asyncio.StreamWriter, chunks: Any) -> None:
         """Write a response in slices of WRITE_SLICE, waiting whenever the
-        socket has not taken the last one: the transport copies only what the
-        socket did not take, so a client that reads slowly (or never) makes
-        the listener hold one slice, not a whole Fetch response, and one that
-        takes nothing for write_timeout_s is disconnected (TimeoutError)."""
+        socket has not taken WRITE_SLICE bytes: the transport copies only what
+        the socket did not take, so a client that reads slowly (or never)
+        makes the listener hold about one slice, not a whole Fetch response,
+        and one that takes nothing for write_timeout_s is disconnected
+        (TimeoutError)."""
         transport = writer.transport
         for chunk in chunks:
             view = memoryview(chunk)
