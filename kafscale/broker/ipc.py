@@ -40,13 +40,24 @@ class Channel:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._out: list[bytes] = []  # messages sent since the loop last ran: written together
         self.closed = False
 
     def _send(self, msg: tuple[Any, ...]) -> None:
+        """Queue a message; the messages sent in one pass of the event loop go
+        out in one write (a node flush acknowledges and announces many
+        partitions at once: one system call, not one per message)."""
         if self.closed:
             raise ChannelClosed("channel closed")
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        self._writer.write(_LEN.pack(len(data)) + data)
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._write)
+        self._out += (_LEN.pack(len(data)), data)
+
+    def _write(self) -> None:
+        out, self._out = self._out, []
+        if not self.closed:
+            self._writer.write(b"".join(out))
 
     def call(self, message: Any) -> asyncio.Future[Any]:
         """Send a call now (so calls keep their order) and return the future reply."""
@@ -96,6 +107,7 @@ class Channel:
     def close(self) -> None:
         if self.closed:
             return
+        self._write()
         self.closed = True
         self._writer.close()
         for fut in self._waiting.values():

@@ -1,8 +1,10 @@
 """The log process's service to its workers, over a Unix socket: it answers
 the calls of messages.py (Hello, Produce, Frame, OpenView, GetUser) through
-one dispatch table, and sends every worker PartitionChanged whenever a
-partition log commits a segment, moves its start offset or closes, and
-AclsChanged when the ACLs change."""
+one dispatch table, and sends every worker a list of PartitionChanged
+whenever partition logs commit segments or slices, move their start offsets
+or close (the changes of one pass of the event loop together: a node flush
+changes every partition it holds at once), and AclsChanged when the ACLs
+change."""
 from __future__ import annotations
 
 import asyncio
@@ -38,6 +40,7 @@ class LogService:
         # (worker, client connection) -> the lock its appends take, in the order it sent them
         self._append_orders: weakref.WeakValueDictionary[tuple[int, int], asyncio.Lock] = (
             weakref.WeakValueDictionary())
+        self._changes: list[messages.PartitionChanged] = []  # not sent yet
         broker.partitions.on_change = self._changed
         broker.access.on_acls = self._acls_changed
 
@@ -122,6 +125,7 @@ class LogService:
         except LogError as exc:
             return messages.ViewRefused(exc.code, str(exc))
         cached = {m.ref: ref for m in lg.segments if (ref := self.cache.ref(m.ref)) is not None}
+        self._send_changes()  # the worker applies the changes before this snapshot first
         return messages.PartitionSnapshot(meta.name, meta.id, lg.hw, lg.log_start, list(lg.segments), cached)
 
     # ----------------------------------------------------------------- events
@@ -130,10 +134,17 @@ class LogService:
 
     def _changed(self, lg: PartitionLog, manifest: SegmentManifest | None) -> None:
         ref = self.cache.ref(manifest.ref) if manifest is not None else None
-        self._broadcast(messages.PartitionChanged(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start, manifest,
-                                                  ref))
+        if not self._changes:
+            asyncio.get_running_loop().call_soon(self._send_changes)
+        self._changes.append(messages.PartitionChanged(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start,
+                                                       manifest, ref))
 
-    def _broadcast(self, event: messages.AclsChanged | messages.PartitionChanged) -> None:
+    def _send_changes(self) -> None:
+        changes, self._changes = self._changes, []
+        if changes:
+            self._broadcast(changes)
+
+    def _broadcast(self, event: messages.AclsChanged | list[messages.PartitionChanged]) -> None:
         for ch in list(self.channels):
             if not ch.closed:
                 ch.event(event)

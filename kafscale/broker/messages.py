@@ -102,7 +102,8 @@ class AclsChanged:
 
 @dataclass(frozen=True)
 class PartitionChanged:
-    """A partition log committed a segment (manifest), moved its start, or closed."""
+    """A partition log committed a segment (manifest), moved its start, or
+    closed. Sent as a list: the changes of one pass of the log process's loop."""
     topic: str
     partition: int
     closed: bool

@@ -152,15 +152,16 @@ class Worker:
     def _set_acls(self, raw: list[bytes]) -> None:
         self.authz.update(AclBinding.from_json(a) for a in raw)
 
-    def _on_event(self, event: messages.AclsChanged | messages.PartitionChanged) -> None:
+    def _on_event(self, event: messages.AclsChanged | list[messages.PartitionChanged]) -> None:
         if isinstance(event, messages.AclsChanged):
             self._set_acls(event.acls)
             return
-        view = self.views.get((event.topic, event.partition))
-        if view is not None:
-            self._apply(view, event)
-        elif self._opening:
-            self._early.append(event)
+        for ev in event:
+            view = self.views.get((ev.topic, ev.partition))
+            if view is not None:
+                self._apply(view, ev)
+            elif self._opening:
+                self._early.append(ev)
         self._changed.set()
         self._changed = asyncio.Event()
 
