@@ -384,13 +384,14 @@ class MetaStore:
     async def delete_fence(self, fence: str) -> None:
         await self.client.delete(self.k("fences", fence))
 
-    async def commit_wal(self, fence: str, seq: int, directory: bytes) -> None:
-        """Commit one node object: one transaction whatever the partitions in it,
-        comparing one key (our fence: Fenced once a claim deleted it)."""
+    async def commit_wal(self, fence: str, directories: list[tuple[int, bytes]]) -> None:
+        """Commit node objects (seq, directory) in one transaction, whatever the
+        partitions in them, comparing one key (our fence: Fenced once a claim
+        deleted it)."""
         tx = self.client.transactions
-        ok, _ = await self.client.transaction(compare=[tx.version(self.k("fences", fence)) > 0],
-                                              success=[tx.put(self.k("wal", fence, f"{seq:012d}"), directory)],
-                                              failure=[])
+        ok, _ = await self.client.transaction(
+            compare=[tx.version(self.k("fences", fence)) > 0],
+            success=[tx.put(self.k("wal", fence, f"{seq:012d}"), raw) for seq, raw in directories], failure=[])
         if not ok:
             raise Fenced(f"fence {fence} was taken")
 

@@ -44,7 +44,8 @@ NODE_MAGIC = 0x4B46534E  # "KFSN"
 NODE_TRAILER = struct.Struct(">II")  # directory length, magic
 MAX_SLICES = 1000  # partitions in one node object (bounds the directory kept in etcd)
 MAX_UPLOADS = 4  # node objects uploading at once
-MAX_UNCOMMITTED = 8  # node objects built and not yet committed (bounds their memory)
+MAX_UNCOMMITTED = 8  # node objects built and not yet committed (bounds their memory); also the most one
+# transaction commits (their directories hold at most MAX_SLICES slices each: well under etcd's request limit)
 GRACE_S = 60.0  # a forgotten node object is deleted this long after (readers in flight finish)
 ORPHAN_AGE_S = 600.0  # an object no directory names is an orphan once this old (uploaded, never committed)
 
@@ -165,21 +166,25 @@ class NodeFlusher:
         self._uploads = asyncio.Semaphore(MAX_UPLOADS)
         self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
         self._flushes: dict[asyncio.Task[None], set[PartitionLog]] = {}  # node objects under way, their logs
-        self._last: asyncio.Task[None] | None = None
+        # uploaded node objects of this fence waiting for their commit, by seq: directory, slices, committed
+        self._uploaded: dict[int, tuple[bytes, list[Slice], asyncio.Future[None]]] = {}
+        self._committed = 0  # the last seq committed under this fence
+        self._failed: BaseException | None = None  # a commit of this fence failed: no later one commits
+        self._committer: asyncio.Task[None] | None = None
         self._loop: asyncio.Task[None] | None = None
 
     async def start(self, lease: Any) -> None:
         """Take a new fence on our lease: objects of an earlier fence never commit after this."""
         self.fence = f"{self.cfg.node_id}-{uuid.uuid4().hex[:12]}"
-        self.seq = 0
-        self._last = None  # what the earlier fence had in flight is over (stop cancelled it)
+        self.seq = self._committed = 0
+        self._uploaded, self._failed = {}, None  # what the earlier fence had in flight is over (stop cancelled it)
         await self.meta.create_fence(self.fence, lease)
         if self._loop is None:
             self._loop = asyncio.create_task(self._run(), name="node flush")
 
     async def stop(self) -> None:
         """Stop flushing; no object commits after this (the fence goes first)."""
-        tasks = [t for t in (self._loop, *self._flushes) if t is not None]
+        tasks = [t for t in (self._loop, self._committer, *self._flushes) if t is not None]
         self.queued, self.queued_bytes = {}, 0
         self._loop = None
         try:
@@ -239,9 +244,8 @@ class NodeFlusher:
                 self._uploads.release()
                 self._uncommitted.release()
                 continue
-            prev, self.seq = self._last, self.seq + 1
-            task = asyncio.create_task(self._flush(taken, self.seq, prev), name=f"node flush {self.seq}")
-            self._last = task
+            self.seq += 1
+            task = asyncio.create_task(self._flush(taken, self.seq), name=f"node flush {self.seq}")
             self._flushes[task] = {lg for lg, _ in taken}
             task.add_done_callback(self._done)
 
@@ -256,11 +260,15 @@ class NodeFlusher:
                 lg.flush_failed()
             asyncio.get_running_loop().create_task(self.on_fenced())
 
-    async def _flush(self, taken: list[tuple[PartitionLog, list[_Pending]]], seq: int,
-                     prev: asyncio.Task[None] | None) -> None:
+    async def _flush(self, taken: list[tuple[PartitionLog, list[_Pending]]], seq: int) -> None:
+        """Build and upload node object seq, then wait for its commit (in seq
+        order, possibly in one transaction with the objects uploaded while an
+        earlier commit was under way)."""
         created = int(time.time() * 1000)
         key = node_key(self.cfg.namespace, self.fence, seq)
         try:  # holds an upload slot (taken by _run) until the upload ends
+            if self._failed is not None:
+                raise self._failed
             slices, pos = [], 0
             for lg, items in taken:
                 seg = build_segment([(p.payload, p.base) for p in items], created)
@@ -281,21 +289,64 @@ class NodeFlusher:
                                      NODE_TRAILER.pack(len(dir_raw), NODE_MAGIC)])
             metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(body))
             await retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, body), self.cfg.s3_timeout_s))
+        except Exception as exc:
+            self._fail(exc)
+            raise
         finally:
             self._uploads.release()
-        if prev is not None:
-            await asyncio.wait([prev])  # commit in order
-            if prev.cancelled() or prev.exception() is not None:
-                raise Fenced("an earlier node object failed")
+        if self._failed is not None:
+            raise self._failed
+        committed = asyncio.get_running_loop().create_future()
+        self._uploaded[seq] = (dir_raw, slices, committed)
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit_uploaded(), name="node commit")
+        await committed
 
-        async def commit() -> None:
-            t = time.perf_counter()
-            await self.meta.commit_wal(self.fence, seq, dir_raw)
-            metrics.ETCD_SECONDS.labels(metrics.node()).observe(time.perf_counter() - t)
+    async def _commit_uploaded(self) -> None:
+        """Commit the uploaded objects that continue the committed ones, in seq
+        order: those uploaded by then in one transaction, then the next ones.
+        Producers are acknowledged (the slices handed to their logs) after it;
+        a failed commit fails every object of this fence after it too."""
+        fence = self.fence
+        while self.fence == fence and (first := self._committed + 1) in self._uploaded:
+            group = []
+            while (seq := first + len(group)) in self._uploaded and len(group) < MAX_UNCOMMITTED:
+                group.append((seq, self._uploaded.pop(seq)))
+            keys = f"{node_key(self.cfg.namespace, fence, first)}..{group[-1][0]}"
 
-        await retry(f"commit of {key}", commit)
-        for s in slices:
-            s.log.committed(s.manifest, s.items, s.seg)
+            async def commit(group: list[tuple[int, tuple[bytes, list[Slice], asyncio.Future[None]]]] = group
+                             ) -> None:
+                t = time.perf_counter()
+                await self.meta.commit_wal(fence, [(seq, raw) for seq, (raw, _, _) in group])
+                metrics.ETCD_SECONDS.labels(metrics.node()).observe(time.perf_counter() - t)
+
+            try:
+                await retry(f"commit of {keys}", commit)
+            except Exception as exc:
+                for _, (_, _, fut) in group:
+                    fut.set_exception(exc)
+                self._fail(exc)
+                return
+            self._committed = group[-1][0]
+            for _, (_, slices, fut) in group:
+                try:
+                    for s in slices:
+                        s.log.committed(s.manifest, s.items, s.seg)
+                except Exception as exc:  # a bug: the flush fails (and the node re-fences), never hangs
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(None)
+
+    def _fail(self, exc: Exception) -> None:
+        """A node object of this fence failed: none after it commits (their
+        records would follow a gap); the uploaded ones fail now, later ones
+        as they finish."""
+        if self._failed is None:
+            self._failed = Fenced(f"an earlier node object failed: {exc!r}")
+        for _, _, fut in self._uploaded.values():
+            if not fut.done():
+                fut.set_exception(self._failed)
+        self._uploaded.clear()
 
     async def _upload(self, key: str, body: bytearray) -> None:
         try:
