@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 STARTUP_FAILED = 2
+LOG_SWITCH_INTERVAL_S = 0.0005  # see start_log
 
 
 def _tune_malloc() -> None:
@@ -144,6 +145,9 @@ class NodeProcesses:
 
         def main(fd: int) -> None:
             metrics.init_process(self.cfg.node_id, "log", self.metrics_dir)
+            # The log process's S3 threads wait for the GIL after every socket read while its event
+            # loop is busy: at the default 5 ms switch interval a PUT took several times its time.
+            sys.setswitchinterval(LOG_SWITCH_INTERVAL_S)
             self.area.populate()
             asyncio.run(run_log_process(self.cfg, self.area, self.socket_path, fd))
 
