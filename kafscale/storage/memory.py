@@ -73,8 +73,13 @@ class MemoryObjectStore:
         self._call("delete")
         self.objects.pop(key, None)
 
+    async def delete_many(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            self._call("delete_many")
+            for k in keys[i:i + 1000]:
+                self.objects.pop(k, None)
+
     async def delete_prefix(self, prefix: str) -> int:
         keys = [k for k in self.objects if k.startswith(prefix)]
-        for k in keys:
-            await self.delete(k)
+        await self.delete_many(keys)
         return len(keys)

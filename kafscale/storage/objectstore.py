@@ -195,10 +195,17 @@ class ObjectStore:
     async def delete(self, key: str) -> None:
         await self._client.delete_object(Bucket=self.bucket, Key=key)
 
+    async def delete_many(self, keys: list[str]) -> None:
+        """Delete keys, 1,000 per request (DeleteObjects); OSError naming what failed, after trying all."""
+        failed: list[str] = []
+        for i in range(0, len(keys), 1000):
+            reply = await self._client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+            failed += [e["Key"] for e in reply.get("Errors", [])]
+        if failed:
+            raise OSError(f"{len(failed)} objects not deleted, {failed[0]} first")
+
     async def delete_prefix(self, prefix: str) -> int:
         keys = [o["Key"] for o in await self.list(prefix)]
-        for i in range(0, len(keys), 1000):
-            chunk = keys[i:i + 1000]
-            await self._client.delete_objects(Bucket=self.bucket,
-                                              Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+        await self.delete_many(keys)
         return len(keys)

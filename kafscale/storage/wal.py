@@ -402,41 +402,61 @@ class WalIndex:
         return by_partition(list(self._parsed.values()))
 
 
-async def collect(meta: MetaStore, store: ObjectStore, namespace: str) -> int:
-    """Forget the node objects whose every slice is compacted (below its
-    partition's checkpoint), before its log start, or of a deleted topic; delete
-    them GRACE_S later; and delete objects no directory names (uploads that
-    never committed) once ORPHAN_AGE_S old. Returns how many were forgotten."""
-    topics = {t.name: t for t in await meta.list_topics()}
-    states = await meta.partition_states()
-    live_fences = await meta.fences()
-    dead_keys, dead_objects, named = [], [], set()
-    for wal_key, raw in await meta.wal_directories():
-        key, slices = slice_manifests(raw)
-        named.add(key)
+class Collector:
+    """Forgets the node objects whose every slice is compacted (below its
+    partition's checkpoint), before its log start, or of a deleted topic, and
+    deletes them GRACE_S later; every ORPHAN_AGE_S / 2 it also deletes objects
+    no directory names (uploads that never committed) once ORPHAN_AGE_S old.
+    A directory never changes, so each is read and parsed once (a pass reads
+    the wal/ keys and only the directories it has not seen)."""
 
-        def done(topic: str, tid: str, p: int, m: SegmentManifest) -> bool:
+    def __init__(self, meta: MetaStore, store: ObjectStore, namespace: str) -> None:
+        self.meta = meta
+        self.store = store
+        self.namespace = namespace
+        # wal key -> the object's key and its slices as (topic, topic id hex, partition, last offset)
+        self._seen: dict[bytes, tuple[str, list[tuple[str, str, int, int]]]] = {}
+        self._orphans_swept = 0.0
+
+    async def run(self) -> int:
+        """One pass; returns how many node objects it forgot."""
+        topics = {t.name: t for t in await self.meta.list_topics()}
+        states = await self.meta.partition_states()
+        keys = await self.meta.wal_keys()
+        new = [k for k in keys if k not in self._seen]
+        for k, raw in zip(new, await asyncio.gather(*(self.meta.wal_directory(k) for k in new)), strict=True):
+            if raw is not None:
+                key, slices = slice_manifests(raw)
+                self._seen[k] = key, [(topic, tid, p, m.last) for topic, tid, p, m in slices]
+        self._seen = {k: self._seen[k] for k in keys if k in self._seen}
+
+        def done(topic: str, tid: str, p: int, last: int) -> bool:
             t = topics.get(topic)
             st = states.get((topic, p))
-            return t is None or t.id.hex() != tid or st is None or st.hw > m.last or st.log_start > m.last
+            return t is None or t.id.hex() != tid or st is None or st.hw > last or st.log_start > last
 
-        if all(done(*s) for s in slices):
-            dead_keys.append(wal_key)
-            dead_objects.append(key)
-    if dead_keys:
-        await meta.forget_wal(dead_keys)
-        asyncio.get_running_loop().call_later(GRACE_S, lambda: asyncio.ensure_future(_delete(store, dead_objects)))
-    now = time.time()
-    orphans = [o["Key"] for o in await store.list(node_prefix(namespace))
-               if o["Key"] not in named and o["Key"].split("/")[-2] not in live_fences
-               and now - o["LastModified"].timestamp() > ORPHAN_AGE_S]
-    await _delete(store, orphans)
-    return len(dead_keys)
+        dead = [(k, key) for k, (key, slices) in self._seen.items() if all(done(*sl) for sl in slices)]
+        if dead:
+            await self.meta.forget_wal([k for k, _ in dead])
+            for k, _ in dead:
+                del self._seen[k]
+            objects = [key for _, key in dead]
+            asyncio.get_running_loop().call_later(GRACE_S, lambda: asyncio.ensure_future(_delete(self.store, objects)))
+        if time.monotonic() >= self._orphans_swept + ORPHAN_AGE_S / 2:
+            self._orphans_swept = time.monotonic()
+            await self._sweep_orphans({key for key, _ in self._seen.values()} | {key for _, key in dead})
+        return len(dead)
+
+    async def _sweep_orphans(self, named: set[str]) -> None:
+        live_fences = await self.meta.fences()
+        now = time.time()
+        await _delete(self.store, [o["Key"] for o in await self.store.list(node_prefix(self.namespace))
+                                   if o["Key"] not in named and o["Key"].split("/")[-2] not in live_fences
+                                   and now - o["LastModified"].timestamp() > ORPHAN_AGE_S])
 
 
 async def _delete(store: ObjectStore, keys: list[str]) -> None:
-    for key in keys:
-        try:
-            await store.delete(key)
-        except Exception as exc:  # left for the orphan sweep
-            log.warning("could not delete node object %s: %r", key, exc)
+    try:
+        await store.delete_many(keys)
+    except Exception as exc:  # left for the orphan sweep
+        log.warning("could not delete %d node objects: %r", len(keys), exc)
