@@ -56,8 +56,11 @@ class Node:
         return sum(k.endswith(".kfn") for k in self.store.objects)
 
     async def until(self, cond) -> None:
-        while not cond():
+        for _ in range(1000):
+            if cond():
+                return
             await asyncio.sleep(0.005)
+        raise AssertionError("not reached within 5 s")
 
 
 def test_objects_uploaded_during_a_slow_commit_commit_together_in_order():
