@@ -487,6 +487,8 @@ class KafkaServer:
         and one that takes nothing for write_timeout_s is disconnected
         (TimeoutError)."""
         transport = writer.transport
+        if transport.is_closing():  # the client went away: nothing more is sent (the send loop ends)
+            raise ConnectionResetError("connection closed")
         for chunk in chunks:
             view = memoryview(chunk)
             for i in range(0, len(view), WRITE_SLICE):
