@@ -58,7 +58,8 @@ class PartitionRegistry:
         self.defaults = topic_config.Defaults(cfg)  # re-read by refresh_defaults
         self.flusher = NodeFlusher(cfg, store, meta, self._topic_id, self._fenced) if cfg.node_flush else None
         self.wal = WalIndex(meta)
-        self._refencing = False
+        self._refencing = False  # taking a new fence: no partition opens
+        self._refence_lock = asyncio.Lock()
 
     def _topic_id(self, name: str) -> bytes | None:
         meta = self.topics.get(name)
@@ -69,19 +70,30 @@ class PartitionRegistry:
         if self.flusher is not None:
             await self.flusher.start(lease)
 
-    async def _fenced(self) -> None:
-        """A node object was fenced (another log process claimed one of our
-        partitions) or failed: close every partition (their queued batches are
-        failed, clients retry and reopen them) and flush under a new fence."""
-        if self._refencing or self.flusher is None or self.closing:
+    async def _fenced(self, fence: str) -> None:
+        """A node object of `fence` was fenced (another log process claimed one
+        of our partitions) or failed: close every partition (their queued
+        batches are failed, clients retry and reopen them) and flush under a
+        new fence. Nothing if we left that fence already."""
+        if self.flusher is None or self.closing:
             return
+        async with self._refence_lock:
+            if fence == self.flusher.fence:
+                log.warning("node flush fenced: closing %d partitions, continuing under a new fence", len(self.logs))
+                await self._refence(self.lease)
+
+    async def _refence(self, lease: Any) -> None:
+        """Close every partition and take a new fence on lease; no partition
+        opens meanwhile (it would be opened under the fence being left)."""
+        assert self.flusher is not None
         self._refencing = True
         try:
+            await asyncio.gather(*self._opening.values(), return_exceptions=True)
             logs, self.logs = list(self.logs.values()), {}
-            log.warning("node flush fenced: closing %d partitions, continuing under a new fence", len(logs))
             await asyncio.gather(*(lg.close() for lg in logs))
+            self.lease = lease
             await self.flusher.stop()
-            await self.flusher.start(self.lease)
+            await self.flusher.start(lease)
         finally:
             self._refencing = False
 
@@ -230,12 +242,13 @@ class PartitionRegistry:
         """Our lease expired (we were paused or cut off): whatever we owned may
         have a new owner already. Close it all; commits would be fenced anyway."""
         log.warning("etcd lease lost: dropping %d partitions", len(self.logs))
+        if self.flusher is not None:  # our fence went with the lease
+            async with self._refence_lock:
+                await self._refence(new_lease)
+            return
         logs, self.logs = list(self.logs.values()), {}
         await asyncio.gather(*(lg.close() for lg in logs))
         self.lease = new_lease
-        if self.flusher is not None:  # our fence went with the lease
-            await self.flusher.stop()
-            await self.flusher.start(new_lease)
 
     async def close(self, drain_s: float = 10) -> None:
         """Flush what producers are waiting on (up to drain_s) and release the

@@ -176,6 +176,7 @@ def name_of(part: bytes | str) -> str:
 TXN_MAX_OPS = 128  # etcd's default --max-txn-ops
 SCAN_PAGE = 1000  # keys per etcd range read in MetaStore.scan
 WAL_SCAN_PAGE = 50  # node object directories are larger: fewer per range read
+WAL_GETS = 32  # more new directories than this are read by a scan, not one get each
 CAS_ATTEMPTS = 50  # a compare-and-swap that keeps losing to other writers gives up after this many tries
 
 
@@ -404,10 +405,15 @@ class MetaStore:
         """(key, directory) of every committed node object not yet compacted away."""
         return [(kv.key, kv.value) async for kv in self.scan(self.k("wal", ""), page=WAL_SCAN_PAGE)]
 
-    async def wal_directory(self, key: bytes) -> bytes | None:
-        """One committed directory, by its key from wal_keys (None once it is forgotten)."""
-        kv = await self.client.get(key)
-        return None if kv is None else bytes(kv.value)
+    async def wal_directories_of(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        """The committed directories of these wal keys (those forgotten since are
+        left out): one get each when they are few, else one paged scan (a
+        thousand gets at once held the event loop past a 2 s lease)."""
+        if len(keys) > WAL_GETS:
+            want = set(keys)
+            return {k: v for k, v in await self.wal_directories() if k in want}
+        got = await asyncio.gather(*(self.client.get(k) for k in keys))
+        return {k: bytes(kv.value) for k, kv in zip(keys, got, strict=True) if kv is not None}
 
     async def wal_keys(self) -> list[bytes]:
         return [kv.key async for kv in self.scan(self.k("wal", ""), keys_only=True)]

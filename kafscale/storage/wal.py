@@ -19,6 +19,7 @@ all compacted, deleted or expired. The object format is in docs/segment-format.m
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import struct
@@ -151,7 +152,7 @@ async def committed_watermarks(meta: MetaStore, topics: list[TopicMeta]
 
 class NodeFlusher:
     def __init__(self, cfg: Config, store: ObjectStore, meta: MetaStore,
-                 topic_id: Callable[[str], bytes | None], on_fenced: Callable[[], Awaitable[None]]) -> None:
+                 topic_id: Callable[[str], bytes | None], on_fenced: Callable[[str], Awaitable[None]]) -> None:
         self.cfg = cfg
         self.store = store
         self.meta = meta
@@ -247,9 +248,9 @@ class NodeFlusher:
             self.seq += 1
             task = asyncio.create_task(self._flush(taken, self.seq), name=f"node flush {self.seq}")
             self._flushes[task] = {lg for lg, _ in taken}
-            task.add_done_callback(self._done)
+            task.add_done_callback(functools.partial(self._done, self.fence))
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, fence: str, task: asyncio.Task[None]) -> None:
         logs = self._flushes.pop(task)
         self._uncommitted.release()
         exc = None if task.cancelled() else task.exception()
@@ -258,7 +259,7 @@ class NodeFlusher:
                     exc_info=not isinstance(exc, Fenced))
             for lg in logs:
                 lg.flush_failed()
-            asyncio.get_running_loop().create_task(self.on_fenced())
+            asyncio.get_running_loop().create_task(self.on_fenced(fence))
 
     async def _flush(self, taken: list[tuple[PartitionLog, list[_Pending]]], seq: int) -> None:
         """Build and upload node object seq, then wait for its commit (in seq
@@ -395,9 +396,7 @@ class WalIndex:
         """The keys in one scan; the directories not read before, one get each."""
         keys = await self.meta.wal_keys()
         new = [k for k in keys if k not in self._parsed]
-        for k, raw in zip(new, await asyncio.gather(*(self.meta.wal_directory(k) for k in new)), strict=True):
-            if raw is not None:
-                self._parsed[k] = raw
+        self._parsed.update(await self.meta.wal_directories_of(new))
         self._parsed = {k: self._parsed[k] for k in keys if k in self._parsed}
         return by_partition(list(self._parsed.values()))
 
@@ -424,10 +423,9 @@ class Collector:
         states = await self.meta.partition_states()
         keys = await self.meta.wal_keys()
         new = [k for k in keys if k not in self._seen]
-        for k, raw in zip(new, await asyncio.gather(*(self.meta.wal_directory(k) for k in new)), strict=True):
-            if raw is not None:
-                key, slices = slice_manifests(raw)
-                self._seen[k] = key, [(topic, tid, p, m.last) for topic, tid, p, m in slices]
+        for k, raw in (await self.meta.wal_directories_of(new)).items():
+            key, slices = slice_manifests(raw)
+            self._seen[k] = key, [(topic, tid, p, m.last) for topic, tid, p, m in slices]
         self._seen = {k: self._seen[k] for k in keys if k in self._seen}
 
         def done(topic: str, tid: str, p: int, last: int) -> bool:

@@ -40,7 +40,7 @@ class Node:
     async def start(self) -> tuple[NodeFlusher, list[PartitionLog]]:
         meta = await self.meta.create_topic(TOPIC, 2, {})
 
-        async def on_fenced() -> None:
+        async def on_fenced(_fence: str) -> None:
             self.fenced.set()
 
         flusher = NodeFlusher(self.cfg, self.store, self.meta, lambda _t: meta.id, on_fenced)
