@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kafscale import _native, metrics
+from kafscale import _native, faults, metrics
 from kafscale.config import Config
 from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest
 from kafscale.protocol.errors import ErrorCode
@@ -298,6 +298,7 @@ class PartitionLog(LogReader):
                                         for pid, st in producer_states(slices).items()})
             await self._retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, seg.data, seg.index),
                                                                            self.cfg.s3_timeout_s))
+            faults.reached("mid-compaction")
 
             async def commit() -> None:
                 async with self._commit_lock:

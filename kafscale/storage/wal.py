@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kafscale import metrics
+from kafscale import faults, metrics
 from kafscale.config import Config
 from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest, TopicMeta
 from kafscale.protocol.types import TopicPartition
@@ -289,7 +289,9 @@ class NodeFlusher:
             body = bytearray().join([*(s.seg.data for s in slices), dir_raw,
                                      NODE_TRAILER.pack(len(dir_raw), NODE_MAGIC)])
             metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(body))
+            faults.reached("before-upload")
             await retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, body), self.cfg.s3_timeout_s))
+            faults.reached("after-upload")
         except Exception as exc:
             self._fail(exc)
             raise
@@ -328,6 +330,7 @@ class NodeFlusher:
                     fut.set_exception(exc)
                 self._fail(exc)
                 return
+            faults.reached("after-commit")
             self._committed = group[-1][0]
             for _, (_, slices, fut) in group:
                 try:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import aetcd
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from kafscale import _native
+from kafscale import _native, faults
 from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
 from kafscale.storage.scan import StoreOptions, plan, read_slice
 from kafscale.storage.wal import node_prefix
@@ -175,10 +176,17 @@ def test_the_spark_reader_starts_inside_the_first_slice_of_a_node_object(make_br
     assert spark_read(stack, b.cluster, topic_name, starting) == {v: po for v, po in acked.items() if po[1] >= 5}
 
 
-@pytest.mark.parametrize("when", ["mid-produce"])
+@pytest.mark.parametrize("when", ["mid-produce", *faults.POINTS])
 def test_sigkill_keeps_every_acknowledged_record(make_broker, stack, topic_name, when):
-    b = make_broker(node_flush="true", compaction_lag_ms=2000)
+    """SIGKILL of the whole broker from outside while producing (mid-produce),
+    or by the log process itself at a crash point of the node flush or of
+    compaction (kafscale/faults.py), on the n-th time it gets there: after a
+    restart every acknowledged record is served at its acknowledged offset,
+    each record once, offsets in order; the Spark reader reads what is served."""
     partitions = 50
+    nth = random.randint(2, 6) if when == "mid-compaction" else random.randint(20, 60)  # flushes: ~100/s
+    crash = {} if when == "mid-produce" else {"crash_at": f"{when}:{nth}"}
+    b = make_broker(node_flush="true", compaction_lag_ms=1000, **crash)
     create_topic(b.bootstrap, topic_name, partitions=partitions)
     p = Producer({"bootstrap.servers": b.bootstrap, "acks": "all", "linger.ms": 5, "retries": 0,
                   "message.timeout.ms": 5000})
@@ -188,19 +196,26 @@ def test_sigkill_keeps_every_acknowledged_record(make_broker, stack, topic_name,
         if err is None:
             acked[msg.value()] = (msg.partition(), msg.offset())
 
-    for i in range(6000):
+    deadline = time.monotonic() + 60
+    i = 0
+    while b.proc.poll() is None:
+        assert time.monotonic() < deadline, f"the broker never reached {when}"
         p.produce(topic_name, value=b"r%d" % i, partition=i % partitions, on_delivery=cb)
         p.poll(0)
-        if i == 4000:
+        i += 1
+        if when == "mid-produce" and i == 4000:
             b.kill()
-        if i % 100 == 0:
+        if i % 50 == 0:
             time.sleep(0.01)
     p.flush(30)
-    assert 0 < len(acked) < 6000
+    assert 0 < len(acked) < i
+    b.config.pop("crash_at", None)
     b.start()
     served = consume_all(b.bootstrap, topic_name, partitions)
     got = {v: (part, o) for part, recs in served.items() for o, v in recs}
     assert {v: got.get(v) for v in acked} == acked  # every acknowledged record, at its offset
+    assert sum(len(recs) for recs in served.values()) == len(got)  # each record once
     for recs in served.values():
         offsets = [o for o, _ in recs]
-        assert offsets == sorted(set(offsets))  # exactly once, in order
+        assert offsets == sorted(set(offsets))  # offsets unique, in order
+    assert spark_read(stack, b.cluster, topic_name) == got
