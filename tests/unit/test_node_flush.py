@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from kafscale import _native
 from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
@@ -104,5 +105,63 @@ def test_once_a_commit_fails_nothing_after_it_commits_or_is_acknowledged():
         await asyncio.wait_for(n.fenced.wait(), 5)
         assert p0.closed and p1.closed
         await flusher.stop()
+
+    run(go())
+
+
+def test_a_lost_lease_and_a_fenced_object_at_once_keep_offsets_dense():
+    """The lease expires (its fence goes with it) while node objects are in
+    flight and producers keep writing: drop_all and the fenced flushes'
+    re-fence both run. Afterwards one flusher loop runs under one new fence
+    and a new owner reads every acknowledged record at its offset, offsets
+    dense, each once."""
+    from kafscale.broker.cluster import Cluster
+    from kafscale.broker.partitions import PartitionRegistry
+
+    async def go():
+        n = Node()
+        await n.meta.create_topic(TOPIC, 1, {})
+        reg = PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
+        lease = await n.etcd.lease(60)
+        await reg.start(lease)
+        acked: dict[int, bytes] = {}
+
+        async def produce(tag: str, count: int) -> None:
+            for i in range(count):
+                value = f"{tag}{i}".encode()
+                try:
+                    lg = await reg.partition_log(TOPIC, 0)
+                    acked[await append(lg, batch(value))] = value
+                except LogError:
+                    await asyncio.sleep(0.002)  # closed or not open now: a client retries
+
+        writers = [asyncio.create_task(produce(t, 60)) for t in "abc"]
+        await n.until(lambda: len(acked) > 20)
+        n.gate.clear()  # commits stall: objects pile up behind one
+        await asyncio.sleep(0.05)
+        old_fence = reg.flusher.fence
+        n.etcd.expire(lease)  # the fence goes with the lease; the stalled commit will be fenced
+        n.gate.set()
+        await reg.drop_all(await n.etcd.lease(60))
+        await asyncio.gather(*writers)
+        await asyncio.sleep(0.2)  # failure reports of the old fence arrive late: ignored
+        assert reg.flusher.fence != old_fence and await n.meta.fences() == {reg.flusher.fence}
+        lg = await reg.partition_log(TOPIC, 0)
+        await lg.close(drain_s=5)
+        await reg.close(drain_s=1)
+
+        again = PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
+        await again.start(await n.etcd.lease(60))
+        reader = await again.partition_log(TOPIC, 0)
+        records: list[tuple[int, bytes]] = []
+        while (at := records[-1][0] + 1 if records else 0) < reader.hw:
+            data = b"".join(bytes(b) for b in await reader.read(at, 1 << 24))
+            records += [(rec[0], rec[3]) for b in _native.scan_batches(data, True)
+                        for rec in _native.iter_records(b, data) if rec[0] >= at]
+            assert records and records[-1][0] >= at, f"nothing served at {at}"
+        served = dict(records)
+        assert [o for o, _ in records] == list(range(reader.hw)), "offsets dense, each once"
+        assert {o: served.get(o) for o in acked} == acked
+        await again.close(drain_s=1)
 
     run(go())
