@@ -25,9 +25,9 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kafscale import faults, metrics
 from kafscale.config import Config
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from kafscale.storage.partition import PartitionLog, _Pending
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 NODE_MAGIC = 0x4B46534E  # "KFSN"
 NODE_TRAILER = struct.Struct(">II")  # directory length, magic
@@ -110,13 +111,28 @@ def slice_manifests(raw: bytes) -> tuple[str, list[tuple[str, str, int, SegmentM
 
 def by_partition(directories: list[bytes]) -> dict[tuple[str, int], list[SegmentManifest]]:
     """The slices of these directories per (topic id hex, partition), oldest first."""
+    return _grouped(slice_manifests(raw)[1] for raw in directories)
+
+
+def _grouped(directories: Iterable[list[tuple[str, str, int, SegmentManifest]]]
+             ) -> dict[tuple[str, int], list[SegmentManifest]]:
+    """Parsed directories' slices per (topic id hex, partition), oldest first."""
     out: dict[tuple[str, int], list[SegmentManifest]] = {}
-    for raw in directories:
-        for _, tid, p, m in slice_manifests(raw)[1]:
+    for slices in directories:
+        for _, tid, p, m in slices:
             out.setdefault((tid, p), []).append(m)
-    for slices in out.values():
-        slices.sort(key=lambda m: m.base)
+    for found in out.values():
+        found.sort(key=lambda m: m.base)
     return out
+
+
+async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callable[[bytes], T]) -> dict[bytes, T]:
+    """The committed directories now, by wal key, each as parse makes it: those
+    in known are kept as they are (a directory never changes), only the new
+    ones are read and parsed."""
+    keys = await meta.wal_keys()
+    new = await meta.wal_directories_of([k for k in keys if k not in known])
+    return {k: known[k] if k in known else parse(new[k]) for k in keys if k in known or k in new}
 
 
 def continuing(slices: list[SegmentManifest], hw: int, what: str) -> list[SegmentManifest]:
@@ -385,7 +401,7 @@ class WalIndex:
         self.meta = meta
         self._scan: asyncio.Future[dict[tuple[str, int], list[SegmentManifest]]] | None = None
         self._started = 0.0
-        self._parsed: dict[bytes, bytes] = {}  # directories never change
+        self._parsed: dict[bytes, list[tuple[str, str, int, SegmentManifest]]] = {}  # wal key -> its slices
 
     async def slices(self, topic_id: bytes, partition: int, claimed_at: float) -> list[SegmentManifest]:
         """The partition's slices (oldest first) from a scan that began after claimed_at (time.monotonic())."""
@@ -396,12 +412,16 @@ class WalIndex:
         return found.get((topic_id.hex(), partition), [])
 
     async def _read(self) -> dict[tuple[str, int], list[SegmentManifest]]:
-        """The keys in one scan; the directories not read before, one get each."""
-        keys = await self.meta.wal_keys()
-        new = [k for k in keys if k not in self._parsed]
-        self._parsed.update(await self.meta.wal_directories_of(new))
-        self._parsed = {k: self._parsed[k] for k in keys if k in self._parsed}
-        return by_partition(list(self._parsed.values()))
+        """The keys in one scan; only the directories not read before are read and parsed."""
+        self._parsed = await read_directories(self.meta, self._parsed, lambda raw: slice_manifests(raw)[1])
+        return _grouped(self._parsed.values())
+
+
+def _summary(raw: bytes) -> tuple[str, list[tuple[str, str, int, int]]]:
+    """A directory as the collector needs it: the object's key, and per slice
+    its topic, topic id hex, partition and last offset."""
+    key, slices = slice_manifests(raw)
+    return key, [(topic, tid, p, m.last) for topic, tid, p, m in slices]
 
 
 class Collector:
@@ -424,12 +444,7 @@ class Collector:
         """One pass; returns how many node objects it forgot."""
         topics = {t.name: t for t in await self.meta.list_topics()}
         states = await self.meta.partition_states()
-        keys = await self.meta.wal_keys()
-        new = [k for k in keys if k not in self._seen]
-        for k, raw in (await self.meta.wal_directories_of(new)).items():
-            key, slices = slice_manifests(raw)
-            self._seen[k] = key, [(topic, tid, p, m.last) for topic, tid, p, m in slices]
-        self._seen = {k: self._seen[k] for k in keys if k in self._seen}
+        self._seen = await read_directories(self.meta, self._seen, _summary)
 
         def done(topic: str, tid: str, p: int, last: int) -> bool:
             t = topics.get(topic)
