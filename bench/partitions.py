@@ -3,8 +3,9 @@ P partitions, each P's figures as a ratio to P = 1 in the same run.
 
 For each rate and each P, a fresh broker (its own cluster namespace in one
 etcd and one SeaweedFS) gets a topic of P partitions. One record to every
-partition first opens them all (not measured; the log process's resident
-memory before and after gives the cost of an idle open partition). Then a
+partition first opens them all (the time until all are acknowledged is
+"open s"; the log process's resident memory before and after gives the cost
+of an idle open partition). Then a
 librdkafka producer (acks=all, linger.ms 5, 1 KiB records, partitions in
 turn) offers RATE records/s for --seconds, and waits up to --drain seconds
 for every acknowledgement. Counted by the servers themselves from their
@@ -91,6 +92,7 @@ class Run:
     cpu: float  # cores, all the broker's processes
     peak_rss_mib: float  # the log process
     idle_kib_per_partition: float
+    open_s: float  # one record to every partition, all acknowledged
 
     def per_s(self, what: str) -> float:
         return getattr(self, what) / self.seconds
@@ -150,8 +152,9 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
         topic = "scale"
         admin = AdminClient({"bootstrap.servers": bootstrap})
         admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(60)
-        before_open = rss_kib(log_process)
+        before_open, opening = rss_kib(log_process), time.perf_counter()
         open_all(bootstrap, topic, partitions)
+        open_s = time.perf_counter() - opening
         idle = (rss_kib(log_process) - before_open) / partitions
         start = stack.server_counts()
         with CpuMeter({"broker": [proc.pid, *broker_children(proc.pid)]}) as cpu:
@@ -163,7 +166,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
         proc.wait(120)
     return Run(mode, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"],
                end["txns"] - start["txns"], end["keys"] - start["keys"], end["db"] / (1 << 20), lat,
-               cpu.cores["broker"], peak, idle)
+               cpu.cores["broker"], peak, idle, open_s)
 
 
 def report(runs: list[Run], bound: float) -> None:
@@ -173,7 +176,7 @@ def report(runs: list[Run], bound: float) -> None:
         print(f"\n{mode} flushes: {rate} records/s of {RECORD} B offered, acks=all, linger {LINGER_MS} ms "
               f"(ratio to P = {base.partitions} in brackets)")
         print(f"{'P':>6} {'acked':>13} {'S3 PUT/s':>15} {'etcd txn/s':>15} {'ack p50 ms':>17} {'ack p99 ms':>17} "
-              f"{'CPU cores':>12} {'log RSS MiB':>14} {'+etcd keys':>11} {'idle KiB/p':>10}")
+              f"{'CPU cores':>12} {'log RSS MiB':>14} {'+etcd keys':>11} {'idle KiB/p':>10} {'open s':>7}")
         for r in rows:
             def cell(v: float, b: float, fmt: str = ".0f") -> str:
                 return f"{v:{fmt}} ({v / b:.2f})" if b else f"{v:{fmt}}"
@@ -182,7 +185,8 @@ def report(runs: list[Run], bound: float) -> None:
             print(f"{r.partitions:>6} {r.acked:>6}/{r.offered:<6} {cell(r.per_s('puts'), base.per_s('puts')):>15} "
                   f"{cell(r.per_s('txns'), base.per_s('txns')):>15} {cell(p50, b50, '.1f'):>17} "
                   f"{cell(p99, b99, '.1f'):>17} {cell(r.cpu, base.cpu, '.2f'):>12} "
-                  f"{cell(r.peak_rss_mib, base.peak_rss_mib):>14} {r.keys:>11.0f} {r.idle_kib_per_partition:>10.1f}")
+                  f"{cell(r.peak_rss_mib, base.peak_rss_mib):>14} {r.keys:>11.0f} {r.idle_kib_per_partition:>10.1f} "
+                  f"{r.open_s:>7.1f}")
             if r.failed or r.acked < r.offered:
                 print(f"       {r.offered - r.acked} records not acknowledged ({r.failed} failed)")
         worst = max(pct(r.lat, 0.99) for r in rows if r.lat)

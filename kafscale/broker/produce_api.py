@@ -85,14 +85,14 @@ class ProduceApi(PartitionApi):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.deadlines = Deadlines()
+        self._opening: set[asyncio.Future[Any]] = set()
 
     async def produce(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any] | None:
         acks = req["acks"]
         results: list[tuple[dict[str, Any], asyncio.Future[int] | None]] = []
         responses = []
+        self._start_opening(hdr, req)
         async with hdr.append_order:  # appends in the order the connection sent them
-            if sum(len(td["partition_data"]) for td in req["topic_data"]) > 1:
-                await self._open_all(req)
             for td in req["topic_data"]:
                 parts = []
                 writable = self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, td["name"])
@@ -138,17 +138,28 @@ class ProduceApi(PartitionApi):
         await self._await_durable(results, req["timeout_ms"] / 1000)
         return {"responses": responses, "throttle_time_ms": 0}
 
-    async def _open_all(self, req: dict[str, Any]) -> None:
-        """Open the partitions a request writes to that are not open yet all at
-        once, not one after another (a first produce to a large topic opens
-        them all); a partition that fails to open fails in the loop after."""
-        closed = []
+    def _start_opening(self, hdr: RequestContext, req: dict[str, Any]) -> None:
+        """Start opening the partitions a request may write to that are not
+        open yet, before it waits for its turn to append: the produces a
+        connection sends to partitions not open yet (librdkafka sends one
+        request per partition; a first produce to a large topic reaches every
+        partition) then open all at once, not one after another behind the
+        connection's append order. A partition that fails to open fails in the
+        append, which opens it again."""
         for td in req["topic_data"]:
             meta = self.partitions.topics.get(td["name"])
-            closed += [(meta.name, pd["index"]) for pd in td["partition_data"]
-                       if has_partition(meta, pd["index"]) and not self.partitions.is_open(meta.name, pd["index"])]
-        if len(closed) > 1:
-            await asyncio.gather(*(self.partitions.partition_log(t, p) for t, p in closed), return_exceptions=True)
+            if meta is None or not self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, meta.name):
+                continue
+            for pd in td["partition_data"]:
+                if has_partition(meta, pd["index"]) and not self.partitions.is_open(meta.name, pd["index"]):
+                    task = asyncio.ensure_future(self.partitions.partition_log(meta.name, pd["index"]))
+                    self._opening.add(task)
+                    task.add_done_callback(self._opened)
+
+    def _opened(self, task: asyncio.Future[Any]) -> None:
+        self._opening.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the append reports it
 
     async def _await_durable(self, results: list[tuple[dict[str, Any], asyncio.Future[int] | None]],
                              wait_s: float) -> None:
