@@ -39,6 +39,7 @@ class BrokerNode:
         self.broker: Broker | None = None
         self._lease = None
         self._keepalive: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
 
     async def start(self) -> None:
         try:
@@ -53,8 +54,10 @@ class BrokerNode:
                                f"writable: {exc!r}") from exc
         self.broker = Broker(self.cfg, self.store, self.meta, self.cache)
         self.broker.lease_until = await self._register()
-        await self.broker.start(self._lease)
+        # refreshed from now on: a start slower than the lease's TTL must not lose it
         self._keepalive = asyncio.create_task(self._keep_lease())
+        await self.broker.start(self._lease)
+        self._started.set()
 
     def readiness_checks(self) -> dict[str, Check]:
         async def registered() -> None:
@@ -95,6 +98,7 @@ class BrokerNode:
                     self.broker.lease_until = asked + reply.TTL
                 else:
                     alive_until = await self._register()
+                    await self._started.wait()  # then drop what the start took under the old lease
                     await self.broker.lease_lost(self._lease)
                     self.broker.lease_until = alive_until
             except Exception as exc:
