@@ -47,9 +47,12 @@ class Channel:
         """Queue a message; the messages sent in one pass of the event loop go
         out in one write (a node flush acknowledges and announces many
         partitions at once: one system call, not one per message)."""
+        self.send_encoded(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_encoded(self, data: bytes) -> None:
+        """Queue a message pickled already (an event for many channels: encode_event)."""
         if self.closed:
             raise ChannelClosed("channel closed")
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         if not self._out:
             asyncio.get_running_loop().call_soon(self._write)
         self._out += (_LEN.pack(len(data)), data)
@@ -67,8 +70,10 @@ class Channel:
         self._waiting[call_id] = fut
         return fut
 
-    def event(self, message: Any) -> None:
-        self._send((_EVENT, message))
+    @staticmethod
+    def encode_event(message: Any) -> bytes:
+        """An event pickled once, for send_encoded on many channels."""
+        return pickle.dumps((_EVENT, message), protocol=pickle.HIGHEST_PROTOCOL)
 
     async def serve(self) -> None:
         """Read until the peer closes; then fail whatever still waits on a reply."""

@@ -145,6 +145,7 @@ class LogService:
             self._broadcast(changes)
 
     def _broadcast(self, event: messages.AclsChanged | list[messages.PartitionChanged]) -> None:
+        encoded = Channel.encode_event(event)  # once for every worker
         for ch in list(self.channels):
             if not ch.closed:
-                ch.event(event)
+                ch.send_encoded(encoded)
