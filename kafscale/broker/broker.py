@@ -59,6 +59,7 @@ class Broker:
         await self.groups.start()
         self._tasks = [asyncio.create_task(self.partitions.watch_topics(), name="topic watch"),
                        asyncio.create_task(self.partitions.retention_loop(), name="retention"),
+                       asyncio.create_task(self.partitions.collection_loop(), name="node object collection"),
                        asyncio.create_task(self._balance_loop(), name="balancer")]
         if self.partitions.flusher is not None:
             self._tasks.append(asyncio.create_task(self.partitions.compaction_loop(), name="compaction"))

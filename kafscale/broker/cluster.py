@@ -45,5 +45,9 @@ class Cluster:
         found = rendezvous(f"g|{group}", sorted(self.brokers))
         return self.me if found is None else found
 
+    def collects(self) -> bool:
+        """Whether this broker collects the cluster's forgotten node objects."""
+        return rendezvous("collector", sorted(self.brokers)) in (self.me, None)
+
     def address(self, broker_id: int) -> tuple[str, int]:
         return self.brokers.get(broker_id) or self.brokers[self.me]

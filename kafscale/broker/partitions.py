@@ -286,14 +286,11 @@ class PartitionRegistry:
             await asyncio.sleep(1)
 
     async def compaction_loop(self) -> None:
-        """Node flushes: compact the partitions whose slices are due (a few at a
-        time), and forget node objects whose slices are all compacted."""
+        """Node flushes: compact the partitions whose slices are due (a few at a time)."""
         limit = COMPACTION_MEMORY_SEGMENTS * self.cfg.segment_bytes
         free = [limit]
         freed = asyncio.Condition()
         at_once = asyncio.Semaphore(COMPACTIONS_AT_ONCE)
-        next_collect = 0.0
-        collector = Collector(self.meta, self.store, self.cfg.namespace)
 
         async def compact(lg: PartitionLog) -> None:
             """Up to COMPACTIONS_AT_ONCE compactions run at once while the memory
@@ -317,14 +314,23 @@ class PartitionRegistry:
             now_ms = int(time.time() * 1000)
             due = [lg for lg in self.logs.values() if not lg.closed and lg.compaction_due(now_ms)]
             await asyncio.gather(*(compact(lg) for lg in due))
-            if time.monotonic() >= next_collect:
-                next_collect = time.monotonic() + self.cfg.compaction_lag_ms / 2000
-                try:
-                    n = await collector.run()
-                    if n:
-                        log.info("forgot %d node objects (every slice compacted)", n)
-                except Exception as exc:
-                    log.warning("collecting node objects failed: %r", exc)
+
+    async def collection_loop(self) -> None:
+        """Every half compaction_lag_ms, forget the node objects whose slices are
+        all compacted (or expired, or of deleted topics) and delete them: on
+        one broker of the cluster, the one placement picks for it (every
+        broker's pass would read and parse every directory)."""
+        collector = Collector(self.meta, self.store, self.cfg.namespace)
+        while True:
+            await asyncio.sleep(self.cfg.compaction_lag_ms / 2000)
+            if not self.cluster.collects():
+                continue
+            try:
+                n = await collector.run()
+                if n:
+                    log.info("forgot %d node objects (every slice compacted)", n)
+            except Exception as exc:
+                log.warning("collecting node objects failed: %r", exc)
 
     async def retention_loop(self) -> None:
         while True:

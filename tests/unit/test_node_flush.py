@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from kafscale import _native
+from kafscale.broker.cluster import Cluster
 from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
@@ -165,3 +166,16 @@ def test_a_lost_lease_and_a_fenced_object_at_once_keep_offsets_dense():
         await again.close(drain_s=1)
 
     run(go())
+
+
+def test_one_live_broker_collects_node_objects():
+    meta = MetaStore.in_memory("unit", MemoryEtcd())
+    live = {1: ("h", 1), 2: ("h", 2), 3: ("h", 3)}
+    clusters = [Cluster(meta, Config(node_id=b, namespace="unit")) for b in live]
+    for c in clusters:
+        c.brokers = dict(live)
+    collecting = [c.me for c in clusters if c.collects()]
+    assert len(collecting) == 1
+    for c in clusters:  # the collector leaves: another broker takes over
+        del c.brokers[collecting[0]]
+    assert len([c for c in clusters if c.me != collecting[0] and c.collects()]) == 1
