@@ -6,10 +6,15 @@ the same membership, and when a broker joins or leaves only the keys it
 gains or loses move."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import xxhash
 
 from kafscale.config import Config
 from kafscale.metadata.store import MetaStore
+
+PLACED_MAX = 1_000_000  # placements remembered (a proxy sees every partition of the cluster)
 
 
 def rendezvous(key: str, ids: list[int]) -> int | None:
@@ -22,7 +27,21 @@ class Cluster:
         self.meta = meta
         self.me = cfg.node_id if member else -1
         self._own = (self.me, cfg.advertised_addr()) if member else None
-        self.brokers: dict[int, tuple[str, int]] = dict([self._own]) if self._own else {}
+        self._brokers: dict[int, tuple[str, int]] = dict([self._own]) if self._own else {}
+        self._ids = sorted(self._brokers)
+        self._placed: dict[tuple[str, int], int] = {}  # desired owners under the current membership
+
+    @property
+    def brokers(self) -> Mapping[int, tuple[str, int]]:
+        """Read only: a new membership is assigned whole (placements follow it)."""
+        return MappingProxyType(self._brokers)
+
+    @brokers.setter
+    def brokers(self, live: dict[int, tuple[str, int]]) -> None:
+        if sorted(live) != self._ids:
+            self._ids = sorted(live)
+            self._placed = {}
+        self._brokers = live
 
     async def refresh(self) -> None:
         """Live brokers that take work: registered and not being drained."""
@@ -33,8 +52,15 @@ class Cluster:
         self.brokers = live
 
     def desired_owner(self, topic: str, partition: int) -> int:
-        found = rendezvous(f"p|{topic}|{partition}", sorted(self.brokers))
-        return self.me if found is None else found
+        """Remembered until membership changes: the balancer asks for every
+        open partition each pass."""
+        found = self._placed.get((topic, partition))
+        if found is None:
+            found = rendezvous(f"p|{topic}|{partition}", self._ids)
+            found = self.me if found is None else found
+            if len(self._placed) < PLACED_MAX:
+                self._placed[(topic, partition)] = found
+        return found
 
     def leader(self, topic: str, partition: int, recorded: int | None) -> int:
         """Who serves a partition: its recorded owner while that broker is live,
@@ -42,12 +68,12 @@ class Cluster:
         return recorded if recorded in self.brokers else self.desired_owner(topic, partition)
 
     def coordinator_for(self, group: str) -> int:
-        found = rendezvous(f"g|{group}", sorted(self.brokers))
+        found = rendezvous(f"g|{group}", self._ids)
         return self.me if found is None else found
 
     def collects(self) -> bool:
         """Whether this broker collects the cluster's forgotten node objects."""
-        return rendezvous("collector", sorted(self.brokers)) in (self.me, None)
+        return rendezvous("collector", self._ids) in (self.me, None)
 
     def address(self, broker_id: int) -> tuple[str, int]:
         return self.brokers.get(broker_id) or self.brokers[self.me]

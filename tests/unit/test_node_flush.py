@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from kafscale import _native
-from kafscale.broker.cluster import Cluster
+from kafscale.broker.cluster import Cluster, rendezvous
 from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
@@ -177,5 +177,16 @@ def test_one_live_broker_collects_node_objects():
     collecting = [c.me for c in clusters if c.collects()]
     assert len(collecting) == 1
     for c in clusters:  # the collector leaves: another broker takes over
-        del c.brokers[collecting[0]]
+        c.brokers = {b: a for b, a in live.items() if b != collecting[0]}
     assert len([c for c in clusters if c.me != collecting[0] and c.collects()]) == 1
+
+
+def test_placement_follows_membership_changes():
+    meta = MetaStore.in_memory("unit", MemoryEtcd())
+    c = Cluster(meta, Config(node_id=1, namespace="unit"))
+    c.brokers = {1: ("h", 1), 2: ("h", 2)}
+    before = {p: c.desired_owner("t", p) for p in range(200)}
+    assert before == {p: rendezvous(f"p|t|{p}", [1, 2]) for p in range(200)} and set(before.values()) == {1, 2}
+    c.brokers = {1: ("h", 1), 2: ("h", 2), 3: ("h", 3)}  # a broker joins: remembered placements are dropped
+    after = {p: c.desired_owner("t", p) for p in range(200)}
+    assert after == {p: rendezvous(f"p|t|{p}", [1, 2, 3]) for p in range(200)} and 3 in after.values()
