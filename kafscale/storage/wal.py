@@ -335,6 +335,7 @@ class NodeFlusher:
 
             async def commit(group: list[tuple[int, tuple[bytes, list[Slice], asyncio.Future[None]]]] = group
                              ) -> None:
+                await faults.delay("before-commit")
                 t = time.perf_counter()
                 await self.meta.commit_wal(fence, [(seq, raw) for seq, (raw, _, _) in group])
                 metrics.ETCD_SECONDS.labels(metrics.node()).observe(time.perf_counter() - t)

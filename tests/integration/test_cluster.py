@@ -167,6 +167,40 @@ def test_a_broker_that_loses_its_lease_keeps_offsets_dense(make_broker, topic_na
     check_all_acked_present(b.bootstrap, topic_name, 6, stream.acked)
 
 
+def test_a_lease_taken_during_a_commit_acknowledges_nothing_it_held(make_broker, stack, topic_name):
+    """The broker keeps running, but etcd takes its lease (revoked here, as it
+    expires when a broker is cut off from etcd) while a node object's commit
+    waits (a delay point): its fence key went with the lease, so the log
+    process moves to a new fence and the commit is abandoned (or refused, if
+    sent). Nothing it held is acknowledged; afterwards every acked record is
+    there, once per offset, offsets dense."""
+    b = make_broker(lease_ttl_s=2, node_flush="true", delay_at="before-commit:100:3")
+    create_topic(b.bootstrap, topic_name, partitions=6)
+    stream = Stream(b.bootstrap, topic_name, 6)
+    try:
+        wait_for(lambda: "fault: waiting" in b.log(), 60, "a commit to wait at the delay point")
+        revoke_broker_lease(stack, b.cluster, b.broker_id)
+        wait_for(lambda: "lease lost" in b.log(), 10, "the broker to notice its lease is gone")
+        before = len(stream.acked)
+        wait_for(lambda: len(stream.acked) > before + 1000, 60, "acks under the new lease")
+    finally:
+        stream.stop()
+    _, done, after = b.log().partition("fault: done waiting")
+    # the waiting commit is abandoned with its fence (the log process leaves it), or refused if it is sent
+    assert not done or "node flush failed" in after, "a commit under the revoked lease's fence went through"
+    check_all_acked_present(b.bootstrap, topic_name, 6, stream.acked)
+
+
+def revoke_broker_lease(stack, cluster: str, broker_id: int) -> None:
+    async def run() -> None:
+        host, port = stack.etcd_endpoint.split(":")
+        async with aetcd.Client(host=host, port=int(port)) as c:
+            kv = await c.get(f"/kafscale/{cluster}/brokers/{broker_id}".encode())
+            assert kv is not None and kv.lease, "the broker's registration is on a lease"
+            await c.revoke_lease(kv.lease)
+    asyncio.run(run())
+
+
 def test_rolling_restart_under_load(make_cluster, topic_name, tmp_path):
     """SIGTERM each broker in turn (it flushes, hands its partitions over and
     deregisters) while a producer and a consumer group run; then every acked
