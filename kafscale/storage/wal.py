@@ -442,17 +442,23 @@ class Collector:
         self._orphans_swept = 0.0
 
     async def run(self) -> int:
-        """One pass; returns how many node objects it forgot."""
-        topics = {t.name: t for t in await self.meta.list_topics()}
-        states = await self.meta.partition_states()
+        """One pass; returns how many node objects it forgot. The directories
+        are read before the topics and partition states: a slice's partition
+        was claimed (its state written) before the object was committed, so a
+        missing state then means a deleted topic, never a partition claimed
+        after the states were read (whose object would be forgotten live)."""
         self._seen = await read_directories(self.meta, self._seen, _summary)
+        dead: list[tuple[bytes, str]] = []
+        if self._seen:  # nothing to decide otherwise (a cluster without node flushes reads no states)
+            topics = {t.name: t for t in await self.meta.list_topics()}
+            states = await self.meta.partition_states()
 
-        def done(topic: str, tid: str, p: int, last: int) -> bool:
-            t = topics.get(topic)
-            st = states.get((topic, p))
-            return t is None or t.id.hex() != tid or st is None or st.hw > last or st.log_start > last
+            def done(topic: str, tid: str, p: int, last: int) -> bool:
+                t = topics.get(topic)
+                st = states.get((topic, p))
+                return t is None or t.id.hex() != tid or st is None or st.hw > last or st.log_start > last
 
-        dead = [(k, key) for k, (key, slices) in self._seen.items() if all(done(*sl) for sl in slices)]
+            dead = [(k, key) for k, (key, slices) in self._seen.items() if all(done(*sl) for sl in slices)]
         if dead:
             await self.meta.forget_wal([k for k, _ in dead])
             for k, _ in dead:

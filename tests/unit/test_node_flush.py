@@ -14,7 +14,7 @@ from kafscale.metadata.store import MetaStore
 from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
-from kafscale.storage.wal import NodeFlusher, WalIndex
+from kafscale.storage.wal import Collector, NodeFlusher, WalIndex
 from tests.unit.test_partition import TOPIC, DictCache, append, batch, run
 
 
@@ -190,3 +190,35 @@ def test_placement_follows_membership_changes():
     c.brokers = {1: ("h", 1), 2: ("h", 2), 3: ("h", 3)}  # a broker joins: remembered placements are dropped
     after = {p: c.desired_owner("t", p) for p in range(200)}
     assert after == {p: rendezvous(f"p|t|{p}", [1, 2, 3]) for p in range(200)} and 3 in after.values()
+
+
+def test_the_collector_keeps_an_object_of_a_partition_claimed_during_its_pass():
+    """A partition claimed for the first time, and a node object committed for
+    it, while a collection pass runs: the pass must not take the missing state
+    it might have read before the claim for a deleted topic's."""
+    async def go():
+        n = Node()
+        meta = await n.meta.create_topic(TOPIC, 2, {})
+
+        async def on_fenced(_fence: str) -> None:
+            n.fenced.set()
+
+        flusher = NodeFlusher(n.cfg, n.store, n.meta, lambda _t: meta.id, on_fenced)
+        await flusher.start(await n.etcd.lease(60))
+        p1 = PartitionLog(TOPIC, 1, n.cfg, n.store, n.meta, DictCache(), ReadBudget(64 << 20),
+                          lambda _lg, _m: None, (flusher, WalIndex(n.meta), meta.id))
+        real_keys, claimed = n.meta.wal_keys, []
+
+        async def claim_then_keys() -> list[bytes]:
+            if not claimed:  # during the pass: the first claim of partition 1, and an acked record
+                claimed.append(True)
+                await p1.open()
+                await append(p1, batch(b"new"))
+            return await real_keys()
+
+        n.meta.wal_keys = claim_then_keys  # type: ignore[method-assign]
+        assert await Collector(n.meta, n.store, "unit").run() == 0, "the object of partition 1 is live"
+        assert len(await real_keys()) == 1
+        await flusher.stop()
+
+    run(go())
