@@ -38,8 +38,9 @@ class Cluster:
 
     @brokers.setter
     def brokers(self, live: dict[int, tuple[str, int]]) -> None:
-        if sorted(live) != self._ids:
-            self._ids = sorted(live)
+        ids = sorted(live)
+        if ids != self._ids:
+            self._ids = ids
             self._placed = {}
         self._brokers = live
 

@@ -52,6 +52,7 @@ class PartitionRegistry:
         self.on_change: Callable[[PartitionLog, SegmentManifest | None], None] = lambda lg, m: None
         self.logs: dict[TopicPartition, PartitionLog] = {}
         self._opening: dict[TopicPartition, asyncio.Future[PartitionLog]] = {}
+        self._open_tasks: set[asyncio.Future[PartitionLog]] = set()  # open_soon's, referenced until done
         self.topics = TopicCache()
         self.lease: Any = None  # our etcd lease: partition ownership hangs on it
         self.closing = False  # shutting down: no partition is opened any more
@@ -214,6 +215,21 @@ class PartitionRegistry:
                 log.warning("%s/%d: not handed over (%r)", topic, p, exc)
                 return
         await self.meta.release_owner(topic, p, self.cfg.node_id)
+
+    def open_soon(self, topic: str, p: int) -> None:
+        """Start opening a partition that is neither open nor opening, without
+        waiting for it; whoever needs it awaits partition_log, which joins the
+        open under way (a failed open is reported there, and tried again)."""
+        if self.is_open(topic, p) or TopicPartition(topic, p) in self._opening:
+            return
+        task = asyncio.ensure_future(self.partition_log(topic, p))
+        self._open_tasks.add(task)
+        task.add_done_callback(self._opened)
+
+    def _opened(self, task: asyncio.Future[PartitionLog]) -> None:
+        self._open_tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: partition_log's next caller reports it
 
     def is_open(self, topic: str, p: int) -> bool:
         lg = self.logs.get((topic, p))

@@ -85,7 +85,6 @@ class ProduceApi(PartitionApi):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.deadlines = Deadlines()
-        self._opening: set[asyncio.Future[Any]] = set()
 
     async def produce(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any] | None:
         acks = req["acks"]
@@ -144,22 +143,14 @@ class ProduceApi(PartitionApi):
         connection sends to partitions not open yet (librdkafka sends one
         request per partition; a first produce to a large topic reaches every
         partition) then open all at once, not one after another behind the
-        connection's append order. A partition that fails to open fails in the
-        append, which opens it again."""
+        connection's append order."""
         for td in req["topic_data"]:
             meta = self.partitions.topics.get(td["name"])
             if meta is None or not self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, meta.name):
                 continue
             for pd in td["partition_data"]:
-                if has_partition(meta, pd["index"]) and not self.partitions.is_open(meta.name, pd["index"]):
-                    task = asyncio.ensure_future(self.partitions.partition_log(meta.name, pd["index"]))
-                    self._opening.add(task)
-                    task.add_done_callback(self._opened)
-
-    def _opened(self, task: asyncio.Future[Any]) -> None:
-        self._opening.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: the append reports it
+                if has_partition(meta, pd["index"]):
+                    self.partitions.open_soon(meta.name, pd["index"])
 
     async def _await_durable(self, results: list[tuple[dict[str, Any], asyncio.Future[int] | None]],
                              wait_s: float) -> None:
