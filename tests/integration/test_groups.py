@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, Producer, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupState, ConsumerGroupTopicPartitions, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from tests.integration.clients import create_topic, kcat
@@ -65,6 +65,14 @@ class Member:
                 self.proc.kill()
 
 
+def stable_with(bootstrap: str, group: str, n: int) -> bool:
+    """The group is stable with n members, each assigned at least one partition."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    desc = admin.describe_consumer_groups([group])[group].result(10)
+    return (desc.state == ConsumerGroupState.STABLE and len(desc.members) == n
+            and all(m.assignment.topic_partitions for m in desc.members))
+
+
 def wait_for(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -90,7 +98,9 @@ def test_rebalance_and_crash_skip_nothing(broker, topic_name, tmp_path, lib):
         wait_for(lambda: len(seen()) >= 200, 60, "the first member to consume")
         members.append(Member(lib, broker.bootstrap, group, topic_name, tmp_path / "m1.txt"))
         members.append(Member(lib, broker.bootstrap, group, topic_name, tmp_path / "m2.txt"))
-        produced |= produce_spread(broker.bootstrap, topic_name, 1000)  # work for whoever owns what now
+        # produce only once the new members own partitions: before that the first member may take it all
+        wait_for(lambda: stable_with(broker.bootstrap, group, 3), 60, "three members to share the partitions")
+        produced |= produce_spread(broker.bootstrap, topic_name, 1000)
         wait_for(lambda: len(members[1].processed()) > 0 or len(members[2].processed()) > 0, 60,
                  "the rebalance to give work to new members")
         members[0].kill()  # crash: no LeaveGroup, no final commit
