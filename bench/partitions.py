@@ -14,7 +14,11 @@ acknowledged: S3 PUTs/s (SeaweedFS), etcd transactions/s; after the run, the
 etcd keys the run added and etcd's DB size. From the producer: ack latency
 p50/p99 (produce() to delivery report) and how many records were
 acknowledged. From /proc: the broker's CPU (all its processes) and the log
-process's peak RSS.
+process's peak RSS. From the broker's own /metrics, where an acknowledgement's
+time goes: Produce request p50/p99 (arrival to response, in the workers), node
+object PUT p50/p99, etcd commit p50/p99 and how late the log process's event
+loop runs what is due (each the upper bound of its histogram bucket; a busy
+loop makes the PUTs and commits look slower, as their completions wait for it).
 
 The latency bound it checks against, measured in the same run before the
 brokers start: linger + 2 x p99 of a 64 KiB S3 PUT + p99 of a one-key etcd
@@ -36,6 +40,7 @@ import os
 import signal
 import tempfile
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +49,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.e2e import CpuMeter, broker_children, pct, put_latencies, start_broker
-from kafscale.devstack import DevStack
+from kafscale.devstack import DevStack, free_port
 from kafscale.metadata.etcd_client import EtcdClient
 
 LINGER_MS = 5
@@ -75,6 +80,40 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field} for {pid}")
 
 
+BROKER_HISTOGRAMS = {  # column: (histogram, label that selects it)
+    "produce": ("kafscale_request_seconds", ("api", "Produce")),
+    "PUT": ("kafscale_s3_request_seconds", ("op", "put")),
+    "commit": ("kafscale_etcd_commit_seconds", None),
+    "log loop lag": ("kafscale_event_loop_lag_seconds", ("process", "log")),
+}
+
+
+def broker_buckets(admin: str) -> dict[str, dict[float, float]]:
+    """The broker's latency histograms (BROKER_HISTOGRAMS): cumulative count per bucket bound."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{admin}/metrics", timeout=10).read().decode()
+    out: dict[str, dict[float, float]] = {k: {} for k in BROKER_HISTOGRAMS}
+    for fam in text_string_to_metric_families(text):
+        for col, (name, label) in BROKER_HISTOGRAMS.items():
+            if fam.name != name:
+                continue
+            for s in fam.samples:
+                if s.name == f"{name}_bucket" and (label is None or s.labels.get(label[0]) == label[1]):
+                    le = float(s.labels["le"])
+                    out[col][le] = out[col].get(le, 0) + s.value
+    return out
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The upper bound of the bucket holding quantile q of what was observed between two scrapes."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0) for b in bounds]
+    if not counts or not counts[-1]:
+        return float("nan")
+    return next(b for b, c in zip(bounds, counts, strict=True) if c >= q * counts[-1])
+
+
 @dataclass
 class Run:
     mode: str
@@ -93,6 +132,7 @@ class Run:
     peak_rss_mib: float  # the log process
     idle_kib_per_partition: float
     open_s: float  # one record to every partition, all acknowledged
+    broker_ms: dict[str, tuple[float, float]]  # BROKER_HISTOGRAMS column -> (p50, p99) in ms
 
     def per_s(self, what: str) -> float:
         return getattr(self, what) / self.seconds
@@ -145,28 +185,31 @@ def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float
 def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int, seconds: float, drain: float
             ) -> Run:
     cluster = f"p{partitions}r{rate}{uuid.uuid4().hex[:4]}"
+    admin = f"127.0.0.1:{free_port()}"
     proc, bootstrap = start_broker(stack, logdir, cluster, linger_ms=str(LINGER_MS),
-                                   node_flush=str(mode == "node").lower())
+                                   node_flush=str(mode == "node").lower(), admin_listen=admin)
     try:
         log_process, *_ = broker_children(proc.pid)
         topic = "scale"
-        admin = AdminClient({"bootstrap.servers": bootstrap})
-        admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(60)
+        client = AdminClient({"bootstrap.servers": bootstrap})  # kept alive until its future resolves
+        client.create_topics([NewTopic(topic, partitions, 1)])[topic].result(60)
         before_open, opening = rss_kib(log_process), time.perf_counter()
         open_all(bootstrap, topic, partitions)
         open_s = time.perf_counter() - opening
         idle = (rss_kib(log_process) - before_open) / partitions
-        start = stack.server_counts()
+        start, hist = stack.server_counts(), broker_buckets(admin)
         with CpuMeter({"broker": [proc.pid, *broker_children(proc.pid)]}) as cpu:
             offered, acked, failed, lat, secs = offer(bootstrap, topic, partitions, rate, seconds, drain)
-        end = stack.server_counts()
+        end, hist_end = stack.server_counts(), broker_buckets(admin)
+        broker_ms = {col: (bucket_quantile(hist[col], hist_end[col], 0.5) * 1000,
+                           bucket_quantile(hist[col], hist_end[col], 0.99) * 1000) for col in BROKER_HISTOGRAMS}
         peak = rss_kib(log_process, "VmHWM") / 1024
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     return Run(mode, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"],
                end["txns"] - start["txns"], end["keys"] - start["keys"], end["db"] / (1 << 20), lat,
-               cpu.cores["broker"], peak, idle, open_s)
+               cpu.cores["broker"], peak, idle, open_s, broker_ms)
 
 
 def report(runs: list[Run], bound: float) -> None:
@@ -187,6 +230,8 @@ def report(runs: list[Run], bound: float) -> None:
                   f"{cell(p99, b99, '.1f'):>17} {cell(r.cpu, base.cpu, '.2f'):>12} "
                   f"{cell(r.peak_rss_mib, base.peak_rss_mib):>14} {r.keys:>11.0f} {r.idle_kib_per_partition:>10.1f} "
                   f"{r.open_s:>7.1f}")
+            print("       in the broker, p50/p99 ms: " + ", ".join(
+                f"{col} {p50:g}/{p99:g}" for col, (p50, p99) in r.broker_ms.items()))
             if r.failed or r.acked < r.offered:
                 print(f"       {r.offered - r.acked} records not acknowledged ({r.failed} failed)")
         worst = max(pct(r.lat, 0.99) for r in rows if r.lat)

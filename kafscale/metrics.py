@@ -10,6 +10,7 @@ Every metric carries `node` (the broker id; 0 for the proxy); per-process
 ones carry `process` ("log" or the worker slot)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Iterator
@@ -34,6 +35,9 @@ S3_ERRORS = Counter("kafscale_s3_errors", "Failed S3 requests, by operation", ["
 ETCD_SECONDS = Histogram("kafscale_etcd_commit_seconds",
                          "Latency of the etcd transaction committing a node object or segment",
                          ["node"], buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5))
+LOOP_LAG = Histogram("kafscale_event_loop_lag_seconds",
+                     "How late a process's event loop runs a callback due now (how busy the process is)",
+                     ["node", "process"], buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
 FLUSH_BYTES = Histogram("kafscale_segment_flush_bytes", "Size of each node object or segment a flush uploads", ["node"],
                         buckets=tuple(float(1 << n) for n in range(12, 31, 2)))
 
@@ -65,6 +69,15 @@ def s3_call(op: str) -> Iterator[None]:
         raise
     finally:
         S3_SECONDS.labels(node(), op).observe(time.perf_counter() - t)
+
+
+async def watch_loop_lag(interval_s: float = 0.1) -> None:
+    """Observe LOOP_LAG every interval_s: how much later than asked a sleep ends."""
+    lag = LOOP_LAG.labels(node(), process())
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(interval_s)
+        lag.observe(max(time.perf_counter() - t - interval_s, 0))
 
 
 def render(lag: dict[tuple[str, str, int], int] | None = None) -> bytes:

@@ -19,8 +19,9 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from kafscale import metrics
 from kafscale.broker.shm import SharedArea
@@ -116,6 +117,15 @@ def _wait_ready(pid: int, ready: int) -> int | None:
     return os.waitstatus_to_exitcode(status)
 
 
+async def _watching_loop_lag(main: Coroutine[Any, Any, None]) -> None:
+    """Run a process's main coroutine, observing its event loop's lag meanwhile."""
+    watch = asyncio.create_task(metrics.watch_loop_lag())
+    try:
+        await main
+    finally:
+        watch.cancel()
+
+
 async def _worker_main(cfg: Config, area: SharedArea, slot: int, socket_path: str, ready_fd: int) -> None:
     from kafscale.broker.worker import Worker
 
@@ -165,7 +175,7 @@ class NodeProcesses:
             # loop is busy: at the default 5 ms switch interval a PUT took several times its time.
             sys.setswitchinterval(LOG_SWITCH_INTERVAL_S)
             self.area.populate()
-            asyncio.run(run_log_process(self.cfg, self.area, self.socket_path, fd))
+            asyncio.run(_watching_loop_lag(run_log_process(self.cfg, self.area, self.socket_path, fd)))
 
         self.log_pid, ready = _fork(f"log {self.cfg.node_id}", main)
         return _wait_ready(self.log_pid, ready)
@@ -174,7 +184,7 @@ class NodeProcesses:
         def main(fd: int) -> None:
             metrics.init_process(self.cfg.node_id, str(slot), self.metrics_dir)
             self.area.populate()
-            asyncio.run(_worker_main(self.cfg, self.area, slot, self.socket_path, fd))
+            asyncio.run(_watching_loop_lag(_worker_main(self.cfg, self.area, slot, self.socket_path, fd)))
 
         pid, ready = _fork(f"worker {self.cfg.node_id}.{slot}", main)
         self.worker_pids[pid] = slot

@@ -68,6 +68,8 @@ def test_metrics_merge_every_process_and_report_group_lag(make_broker, topic_nam
     assert total(smp, "kafscale_etcd_commit_seconds_count") >= 1
     assert total(smp, "kafscale_segment_flush_bytes_count") >= 1
     assert total(smp, "kafscale_request_seconds_count", api="Produce") >= 1
+    lagged = {lab["process"] for lab, v in smp["kafscale_event_loop_lag_seconds_count"] if v}
+    assert lagged == {"log", "0", "1"}, "every process samples its event loop's lag"
     assert total(smp, "kafscale_group_lag", group=f"g-{topic_name}", topic=topic_name, partition="0") == 40
     assert all(lab["node"] == "1" for name in smp for lab, _ in smp[name] if "node" in lab)
 
