@@ -48,13 +48,30 @@ def _boto_config(pool: int, attempts: int) -> BotoConfig:
                       s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=10)
 
 
+# S3's endpoint ruleset declares these parameters but no rule reads them; botocore
+# caches resolved endpoints by their parameters, so with them every new key
+# re-evaluated the whole ruleset (botocore issue #3528, fixed upstream in PR
+# #3692 by dropping the same three).
+UNUSED_ENDPOINT_PARAMS = ("Key", "Prefix", "CopySource")
+
+
+def _cache_endpoints(client: Any) -> Any:
+    """Let the client's endpoint cache hit for every key of a bucket."""
+    resolver = getattr(client, "_ruleset_resolver", None)
+    params = getattr(resolver, "_param_definitions", None)
+    if isinstance(params, dict):
+        for name in UNUSED_ENDPOINT_PARAMS:
+            params.pop(name, None)
+    return client
+
+
 def sync_client(endpoint: str | None, region: str | None, access_key: str | None, secret_key: str | None,
                 pool: int = 10, attempts: int = 3) -> Any:
     """A blocking botocore S3 client (thread-safe); credentials left empty come
     from the AWS default chain."""
-    return botocore.session.get_session().create_client(
+    return _cache_endpoints(botocore.session.get_session().create_client(
         "s3", endpoint_url=endpoint, region_name=region or "us-east-1", aws_access_key_id=access_key,
-        aws_secret_access_key=secret_key, config=_boto_config(pool, attempts))
+        aws_secret_access_key=secret_key, config=_boto_config(pool, attempts)))
 
 
 class ObjectExists(Exception):
@@ -87,8 +104,8 @@ class ObjectStore:
                    cfg.s3_secret_key or None, multipart_threshold=cfg.multipart_threshold)
 
     async def start(self) -> None:
-        self._client = await self._stack.enter_async_context(
-            self._session.client("s3", endpoint_url=self.endpoint, config=_boto_config(64, 3)))
+        self._client = _cache_endpoints(await self._stack.enter_async_context(
+            self._session.client("s3", endpoint_url=self.endpoint, config=_boto_config(64, 3))))
         self._blocking = sync_client(self.endpoint, self._region, *self._credentials, pool=BODY_THREADS)
         self._pool = concurrent.futures.ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="s3-body")
 
