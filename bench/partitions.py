@@ -133,6 +133,7 @@ class Run:
     idle_kib_per_partition: float
     open_s: float  # one record to every partition, all acknowledged
     broker_ms: dict[str, tuple[float, float]]  # BROKER_HISTOGRAMS column -> (p50, p99) in ms
+    produce_requests: float
 
     def per_s(self, what: str) -> float:
         return getattr(self, what) / self.seconds
@@ -203,13 +204,14 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
         end, hist_end = stack.server_counts(), broker_buckets(admin)
         broker_ms = {col: (bucket_quantile(hist[col], hist_end[col], 0.5) * 1000,
                            bucket_quantile(hist[col], hist_end[col], 0.99) * 1000) for col in BROKER_HISTOGRAMS}
+        requests = hist_end["produce"].get(float("inf"), 0) - hist["produce"].get(float("inf"), 0)
         peak = rss_kib(log_process, "VmHWM") / 1024
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     return Run(mode, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"],
                end["txns"] - start["txns"], end["keys"] - start["keys"], end["db"] / (1 << 20), lat,
-               cpu.cores["broker"], peak, idle, open_s, broker_ms)
+               cpu.cores["broker"], peak, idle, open_s, broker_ms, requests)
 
 
 def report(runs: list[Run], bound: float) -> None:
@@ -230,7 +232,8 @@ def report(runs: list[Run], bound: float) -> None:
                   f"{cell(p99, b99, '.1f'):>17} {cell(r.cpu, base.cpu, '.2f'):>12} "
                   f"{cell(r.peak_rss_mib, base.peak_rss_mib):>14} {r.keys:>11.0f} {r.idle_kib_per_partition:>10.1f} "
                   f"{r.open_s:>7.1f}")
-            print("       in the broker, p50/p99 ms: " + ", ".join(
+            print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s; p50/p99 ms: "
+                  + ", ".join(
                 f"{col} {p50:g}/{p99:g}" for col, (p50, p99) in r.broker_ms.items()))
             if r.failed or r.acked < r.offered:
                 print(f"       {r.offered - r.acked} records not acknowledged ({r.failed} failed)")
