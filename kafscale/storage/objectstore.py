@@ -9,6 +9,12 @@ A single PUT carries the object's CRC32C, computed natively (about 14 GB/s
 here); S3 rejects the PUT if the bytes it received differ, and botocore then
 skips its own CRC32 pass over the body.
 
+A single PUT does not go through botocore's client: it is signed by
+botocore's S3 SigV4 signer and sent on botocore's HTTP session (urllib3),
+which skips the client's per-call work (parameter validation and
+serialization, endpoint rules, event hooks, user agent, response parsing):
+1.4 instead of 2.7 ms of CPU for a small PUT (`_Put`).
+
 Bodies go through threads because a thread sends or receives a body with a
 few large socket calls outside the GIL. aiohttp, on Python 3.11, copies a
 PUT body three or four times on the event loop and reads a GET in 64-256 KiB
@@ -25,13 +31,21 @@ import base64
 import concurrent.futures
 import contextlib
 import logging
+import os
+import socket
+import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 import aioboto3
 import botocore.session
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
 from botocore.config import Config as BotoConfig
-from botocore.exceptions import ClientError
+from botocore.credentials import Credentials
+from botocore.exceptions import ClientError, HTTPClientError
+from botocore.httpsession import URLLib3Session
 
 from kafscale import _native, metrics
 from kafscale.config import Config
@@ -78,6 +92,54 @@ class ObjectExists(Exception):
     """A conditional PUT found an object already at that key."""
 
 
+class PutFailed(Exception):
+    """S3 refused a PUT (its status and the start of its answer)."""
+
+
+class _Put:
+    """Single PUTs (blocking, thread-safe) signed by botocore's S3 SigV4 signer
+    and sent on botocore's HTTP session, with path-style addressing like the
+    clients; retried like the clients' standard mode (3 attempts) on
+    connection errors, 429 and 5xx."""
+    ATTEMPTS = 3
+    BACKOFF_S = 0.1
+
+    def __init__(self, bucket: str, endpoint: str | None, region: str, access_key: str | None,
+                 secret_key: str | None, pool: int) -> None:
+        self.base = f"{(endpoint or f'https://s3.{region}.amazonaws.com').rstrip('/')}/{quote(bucket)}/"
+        credentials = (Credentials(access_key, secret_key) if access_key and secret_key
+                       else botocore.session.get_session().get_credentials())  # the default chain
+        self.signer = S3SigV4Auth(credentials, "s3", region)
+        self.http = URLLib3Session(verify=os.environ.get("AWS_CA_BUNDLE") or True, timeout=(5, 10),
+                                   max_pool_connections=pool,  # and no Nagle delay, as botocore's clients
+                                   socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+
+    def __call__(self, key: str, body: bytes | bytearray, crc32c: str, if_none_match: bool) -> None:
+        headers = {"x-amz-checksum-crc32c": crc32c, **({"If-None-Match": "*"} if if_none_match else {})}
+        for attempt in range(1, self.ATTEMPTS + 1):
+            req = AWSRequest("PUT", self.base + quote(key, safe="/~"), data=body, headers=headers)
+            # as botocore's client marks a PutObject with a checksum: over https the body is not hashed again
+            req.context.update(has_streaming_input=True,
+                               checksum={"request_algorithm": {"in": "header", "name": "x-amz-checksum-crc32c"}})
+            self.signer.add_auth(req)
+            try:
+                resp = self.http.send(req.prepare())
+            except HTTPClientError:
+                if attempt == self.ATTEMPTS:
+                    raise
+            else:
+                if resp.status_code == 200:
+                    return
+                if resp.status_code == 412:
+                    raise ObjectExists(key)
+                if attempt == self.ATTEMPTS or not (resp.status_code == 429 or resp.status_code >= 500):
+                    raise PutFailed(f"PUT {key}: HTTP {resp.status_code} {resp.content[:300]!r}")
+            time.sleep(self.BACKOFF_S * 4 ** (attempt - 1))
+
+    def close(self) -> None:
+        self.http.close()
+
+
 class ObjectStore:
     def __init__(self, bucket: str, endpoint: str | None = None, region: str | None = None,
                  access_key: str | None = None, secret_key: str | None = None,
@@ -95,6 +157,7 @@ class ObjectStore:
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
         self._blocking: Any = None  # the client that moves bodies, in _pool's threads
+        self._put: _Put | None = None  # single PUTs, in _pool's threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     @classmethod
@@ -107,6 +170,8 @@ class ObjectStore:
         self._client = _cache_endpoints(await self._stack.enter_async_context(
             self._session.client("s3", endpoint_url=self.endpoint, config=_boto_config(64, 3))))
         self._blocking = sync_client(self.endpoint, self._region, *self._credentials, pool=BODY_THREADS)
+        self._put = _Put(self.bucket, self.endpoint, self._region or "us-east-1", *self._credentials,
+                         pool=BODY_THREADS)
         self._pool = concurrent.futures.ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="s3-body")
 
     async def close(self) -> None:
@@ -116,7 +181,9 @@ class ObjectStore:
             # a request still running finishes in its thread; its caller has gone
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._blocking.close()
-            self._pool = self._blocking = None
+            if self._put is not None:
+                self._put.close()
+            self._pool = self._blocking = self._put = None
 
     async def _in_thread(self, call: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
@@ -154,11 +221,11 @@ class ObjectStore:
                 if len(data) > self.multipart_threshold:
                     await self._put_multipart(key, data, if_none_match)
                 else:
-                    extra = {"IfNoneMatch": "*"} if if_none_match else {}
                     body = data if isinstance(data, bytes | bytearray) else bytes(data)  # botocore takes no memoryview
                     crc = base64.b64encode(_native.crc32c(body).to_bytes(4, "big")).decode()
-                    await self._in_thread(lambda: self._blocking.put_object(
-                        Bucket=self.bucket, Key=key, Body=body, ChecksumCRC32C=crc, **extra))
+                    put = self._put
+                    assert put is not None, "store not started"
+                    await self._in_thread(lambda: put(key, body, crc, if_none_match))
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
                 raise ObjectExists(key) from exc
