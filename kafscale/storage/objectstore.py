@@ -46,6 +46,7 @@ from botocore.config import Config as BotoConfig
 from botocore.credentials import Credentials
 from botocore.exceptions import ClientError, HTTPClientError
 from botocore.httpsession import URLLib3Session
+from botocore.utils import get_environ_proxies
 
 from kafscale import _native, metrics
 from kafscale.config import Config
@@ -110,8 +111,9 @@ class _Put:
         credentials = (Credentials(access_key, secret_key) if access_key and secret_key
                        else botocore.session.get_session().get_credentials())  # the default chain
         self.signer = S3SigV4Auth(credentials, "s3", region)
+        # as botocore's clients: CA bundle and proxies from the environment, no Nagle delay
         self.http = URLLib3Session(verify=os.environ.get("AWS_CA_BUNDLE") or True, timeout=(5, 10),
-                                   max_pool_connections=pool,  # and no Nagle delay, as botocore's clients
+                                   proxies=get_environ_proxies(self.base), max_pool_connections=pool,
                                    socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
 
     def __call__(self, key: str, body: bytes | bytearray, crc32c: str, if_none_match: bool) -> None:
