@@ -232,9 +232,8 @@ def report(runs: list[Run], bound: float) -> None:
                   f"{cell(p99, b99, '.1f'):>17} {cell(r.cpu, base.cpu, '.2f'):>12} "
                   f"{cell(r.peak_rss_mib, base.peak_rss_mib):>14} {r.keys:>11.0f} {r.idle_kib_per_partition:>10.1f} "
                   f"{r.open_s:>7.1f}")
-            print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s; p50/p99 ms: "
-                  + ", ".join(
-                f"{col} {p50:g}/{p99:g}" for col, (p50, p99) in r.broker_ms.items()))
+            stages = ", ".join(f"{col} {p50:g}/{p99:g}" for col, (p50, p99) in r.broker_ms.items())
+            print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s; p50/p99 ms: {stages}")
             if r.failed or r.acked < r.offered:
                 print(f"       {r.offered - r.acked} records not acknowledged ({r.failed} failed)")
         worst = max(pct(r.lat, 0.99) for r in rows if r.lat)
