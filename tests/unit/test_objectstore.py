@@ -1,7 +1,7 @@
 """The S3 clients' endpoint cache works for every key of a bucket; single
-PUTs (signed and sent without botocore's client) are addressed, signed,
-conditional and retried as the clients would (against a local HTTP server;
-the integration tests put against SeaweedFS)."""
+PUTs and GETs (signed and sent without botocore's client) are addressed,
+signed, conditional and retried as the clients would (against a local HTTP
+server; the integration tests use SeaweedFS)."""
 from __future__ import annotations
 
 import http.server
@@ -10,8 +10,9 @@ import threading
 
 import botocore.session
 import pytest
+import urllib3
 
-from kafscale.storage.objectstore import UNUSED_ENDPOINT_PARAMS, ObjectExists, PutFailed, _Put, sync_client
+from kafscale.storage.objectstore import UNUSED_ENDPOINT_PARAMS, ObjectExists, RequestFailed, _Direct, sync_client
 
 
 def _refs(node: object) -> set[str]:
@@ -43,17 +44,34 @@ def test_endpoints_resolve_once_per_bucket_not_per_key():
 
 
 class _Fake(http.server.BaseHTTPRequestHandler):
-    """Answers each PUT with the next status of `statuses` (then 200), recording what came."""
+    """Answers each request with the next status of `statuses` (then 200 or,
+    to a ranged GET, 206), recording what came; a GET gets `body` (or the
+    range of it), with a Content-Length of `claimed` bytes if set."""
     statuses: list[int] = []
-    seen: list[tuple[str, dict[str, str], bytes]] = []
+    seen: list[tuple[str, str, dict[str, str], bytes]] = []
+    body = b""
+    claimed: int | None = None
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body) if self.claimed is None else self.claimed))
+        self.end_headers()
+        self.wfile.write(body)
 
     def do_PUT(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
-        type(self).seen.append((self.path, dict(self.headers), body))
-        status = type(self).statuses.pop(0) if type(self).statuses else 200
-        self.send_response(status)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+        type(self).seen.append(("PUT", self.path, dict(self.headers), body))
+        self._answer(type(self).statuses.pop(0) if type(self).statuses else 200, b"")
+
+    def do_GET(self) -> None:
+        type(self).seen.append(("GET", self.path, dict(self.headers), b""))
+        if type(self).statuses:
+            self._answer(type(self).statuses.pop(0), b"<Error/>")
+        elif rng := self.headers.get("Range"):
+            first, _, last = rng.removeprefix("bytes=").partition("-")
+            self._answer(206, self.body[int(first):int(last) + 1 if last else None])
+        else:
+            self._answer(200, self.body)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -63,17 +81,17 @@ class _Fake(http.server.BaseHTTPRequestHandler):
 def fake_s3():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    _Fake.statuses, _Fake.seen = [], []
-    put = _Put("bkt", f"http://127.0.0.1:{server.server_port}", "us-east-1", "key", "secret", pool=2)
-    put.BACKOFF_S = 0.001
-    yield put
-    put.close()
+    _Fake.statuses, _Fake.seen, _Fake.body, _Fake.claimed = [], [], b"", None
+    direct = _Direct("bkt", f"http://127.0.0.1:{server.server_port}", "us-east-1", "key", "secret", pool=2)
+    direct.BACKOFF_S = 0.001
+    yield direct
+    direct.close()
     server.shutdown()
 
 
 def test_a_put_is_signed_addressed_by_path_and_conditional(fake_s3):
-    fake_s3("t/0/segment 1.kfs", bytearray(b"body"), "AAAAAA==", True)
-    [(path, headers, body)] = _Fake.seen
+    fake_s3.put("t/0/segment 1.kfs", bytearray(b"body"), "AAAAAA==", True)
+    [(_, path, headers, body)] = _Fake.seen
     assert path == "/bkt/t/0/segment%201.kfs" and body == b"body"
     assert headers["If-None-Match"] == "*" and headers["x-amz-checksum-crc32c"] == "AAAAAA=="
     assert headers["Authorization"].startswith("AWS4-HMAC-SHA256 Credential=key/")
@@ -81,15 +99,44 @@ def test_a_put_is_signed_addressed_by_path_and_conditional(fake_s3):
 
 def test_a_put_is_retried_on_5xx_and_429_only(fake_s3):
     _Fake.statuses = [503, 429]
-    fake_s3("k", b"x", "AAAAAA==", False)
-    assert len(_Fake.seen) == 3 and "If-None-Match" not in _Fake.seen[0][1]
+    fake_s3.put("k", b"x", "AAAAAA==", False)
+    assert len(_Fake.seen) == 3 and "If-None-Match" not in _Fake.seen[0][2]
     _Fake.statuses = [412]
     with pytest.raises(ObjectExists):
-        fake_s3("k", b"x", "AAAAAA==", True)
+        fake_s3.put("k", b"x", "AAAAAA==", True)
     _Fake.statuses = [403]
-    with pytest.raises(PutFailed, match="HTTP 403"):
-        fake_s3("k", b"x", "AAAAAA==", True)
+    with pytest.raises(RequestFailed, match="HTTP 403"):
+        fake_s3.put("k", b"x", "AAAAAA==", True)
     _Fake.statuses = [500, 500, 500]
-    with pytest.raises(PutFailed, match="HTTP 500"):
-        fake_s3("k", b"x", "AAAAAA==", True)
+    with pytest.raises(RequestFailed, match="HTTP 500"):
+        fake_s3.put("k", b"x", "AAAAAA==", True)
     assert len(_Fake.seen) == 3 + 1 + 1 + 3
+
+
+def test_a_get_reads_the_object_or_a_range_of_it(fake_s3):
+    _Fake.body = bytes(range(256)) * 64
+    assert fake_s3.get("t/0/a b.kfs", None) == _Fake.body
+    assert fake_s3.get("t/0/a b.kfs", "bytes=10-19") == _Fake.body[10:20]
+    assert fake_s3.get("t/0/a b.kfs", "bytes=16000-") == _Fake.body[16000:]
+    assert [(m, p, h.get("Range")) for m, p, h, _ in _Fake.seen] == [
+        ("GET", "/bkt/t/0/a%20b.kfs", None), ("GET", "/bkt/t/0/a%20b.kfs", "bytes=10-19"),
+        ("GET", "/bkt/t/0/a%20b.kfs", "bytes=16000-")]
+    assert all(h["Authorization"].startswith("AWS4-HMAC-SHA256 Credential=key/") for _, _, h, _ in _Fake.seen)
+
+
+def test_a_get_is_retried_on_5xx_and_refused_on_4xx(fake_s3):
+    _Fake.body = b"data"
+    _Fake.statuses = [500, 503]
+    assert fake_s3.get("k", None) == b"data"
+    _Fake.statuses = [404]
+    with pytest.raises(RequestFailed, match="GET k: HTTP 404"):
+        fake_s3.get("k", None)
+    assert len(_Fake.seen) == 3 + 1
+
+
+def test_a_get_answered_short_is_retried_then_raises(fake_s3):
+    """A body shorter than its Content-Length is never returned as the object."""
+    _Fake.body, _Fake.claimed = b"data", 10
+    with pytest.raises(urllib3.exceptions.HTTPError):
+        fake_s3.get("k", None)
+    assert len(_Fake.seen) == 3
