@@ -113,6 +113,9 @@ class Worker:
         self._changed = asyncio.Event()
         self._opening = 0  # views being opened: their events may arrive before the view exists
         self._early: list[messages.PartitionChanged] = []
+        # this process's children of the byte counters (a labels() lookup per request cost 4% of a worker)
+        self._produce_bytes = metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process())
+        self._fetch_bytes = metrics.FETCH_BYTES.labels(metrics.node(), metrics.process())
         self.handlers = {
             schemas.API_VERSIONS.key: self.api_versions,
             schemas.PRODUCE.key: self.produce,
@@ -233,7 +236,7 @@ class Worker:
         for b in batches:
             if b.max_timestamp_fixed:
                 _native.set_max_timestamp(staged, b)
-        metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process()).inc(n)
+        self._produce_bytes.inc(n)
         return messages.RingPayload(self.slot, start, n)
 
     # ---------------------------------------------------------------- Fetch
@@ -244,7 +247,7 @@ class Worker:
             responses, total, errors = await self._fetch_once(hdr, req)
             remaining = deadline - time.monotonic()
             if total >= req["min_bytes"] or errors or remaining <= 0:
-                metrics.FETCH_BYTES.labels(metrics.node(), metrics.process()).inc(total)
+                self._fetch_bytes.inc(total)
                 return {"throttle_time_ms": 0, "error_code": 0, "session_id": 0, "responses": responses}
             run_on_sent(ON_SENT.get())  # nothing worth sending yet: let the cache reuse what we looked at
             try:
