@@ -22,10 +22,10 @@ BACKLOG_MIB = int(os.environ.get("KAFSCALE_BACKLOG_MIB", "256"))
 PARTITIONS = 4
 VALUE = 4096
 FETCH_MAX = 16 * MIB  # the consumer's fetch.max.bytes: one response per worker in flight
-# interpreter and allocator noise, transport buffers: freed windows stay in the
-# malloc arenas of the S3 body threads (the supervisor lets a heap keep 128 MiB
-# free), so the peak varies from run to run; the serving worker of the 256 MiB
-# replay grew 62-90 MiB over 7 runs at two commits (2026-11-23), past 48 MiB of slack once
+# interpreter and allocator noise, transport buffers: freed windows stay on the
+# malloc heaps (the supervisor lets each of its 2 keep 128 MiB free); the serving
+# worker of the 256 MiB replay grew 42-75 MiB in 6 runs (2026-11-23; 59-90 MiB
+# before the heaps were capped at 2, when the S3 body threads had one each)
 SLACK = 64 * MIB
 
 
