@@ -122,7 +122,7 @@ def test_replaying_a_large_backlog_keeps_broker_memory_bounded(make_broker, topi
     replay_s = time.monotonic() - t0
     growth = peaks.growth()
     # A worker holds at most its read-ahead budget, a window each partition is
-    # waiting for, a window being joined from the HTTP body, and the responses
+    # waiting for, a window being read from the HTTP body, and the responses
     # being sent.
     bound = budget + PARTITIONS * readahead + 2 * readahead + FETCH_MAX + SLACK
     print(f"\nbacklog {BACKLOG_MIB} MiB ({n} records, {PARTITIONS} partitions), produced in {produced_s:.0f} s, "
