@@ -238,20 +238,15 @@ class ObjectStore:
     # ---------------------------------------------------------------- write
     async def put(self, key: str, data: bytes | bytearray | memoryview, if_none_match: bool = True) -> None:
         """Write an object once. Raises ObjectExists if the key is taken."""
-        try:
-            with metrics.s3_call("put"):
-                if len(data) > self.multipart_threshold:
-                    await self._put_multipart(key, data, if_none_match)
-                else:
-                    body = data if isinstance(data, bytes | bytearray) else bytes(data)  # botocore takes no memoryview
-                    crc = base64.b64encode(_native.crc32c(body).to_bytes(4, "big")).decode()
-                    direct = self._direct
-                    assert direct is not None, "store not started"
-                    await self._in_thread(lambda: direct.put(key, body, crc, if_none_match))
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
-                raise ObjectExists(key) from exc
-            raise
+        with metrics.s3_call("put"):
+            if len(data) > self.multipart_threshold:
+                await self._put_multipart(key, data, if_none_match)
+            else:
+                body = data if isinstance(data, bytes | bytearray) else bytes(data)  # botocore takes no memoryview
+                crc = base64.b64encode(_native.crc32c(body).to_bytes(4, "big")).decode()
+                direct = self._direct
+                assert direct is not None, "store not started"
+                await self._in_thread(lambda: direct.put(key, body, crc, if_none_match))
 
     async def _put_multipart(self, key: str, data: bytes | bytearray | memoryview, if_none_match: bool) -> None:
         mv = memoryview(data)
@@ -272,9 +267,12 @@ class ObjectStore:
             extra = {"IfNoneMatch": "*"} if if_none_match else {}
             await self._client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                                          MultipartUpload={"Parts": list(parts)}, **extra)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(Exception):
                 await self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            code = exc.response.get("Error", {}).get("Code") if isinstance(exc, ClientError) else None
+            if code in ("PreconditionFailed", "412"):  # the completion's If-None-Match found the key taken
+                raise ObjectExists(key) from exc
             raise
 
     # ---------------------------------------------------------------- read
