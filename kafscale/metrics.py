@@ -15,11 +15,14 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess, values
 from prometheus_client.core import GaugeMetricFamily
 
 _labels = {"node": "0", "process": "main"}
+_tally_s = 0.0  # how long a Tally may hold increments (multiprocess mode only)
+_tallies: list[Tally] = []
 
 REQUESTS = Counter("kafscale_requests", "Kafka requests answered, by API and process",
                    ["node", "process", "api"])
@@ -46,9 +49,11 @@ def init_process(node_id: int, process: str, metrics_dir: str | None) -> None:
     """Label this process's samples; with metrics_dir, write them there for
     the node's log process to merge (call before any metric is used)."""
     _labels.update(node=str(node_id), process=process)
+    global _tally_s
     if metrics_dir:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         values.ValueClass = values.MultiProcessValue()
+        _tally_s = 0.1
 
 
 def node() -> str:
@@ -57,6 +62,40 @@ def node() -> str:
 
 def process() -> str:
     return _labels["process"]
+
+
+class Tally:
+    """A counter child that a process's event loop bumps for every request.
+    In multiprocess mode an increment of the value itself takes a lock,
+    checks the pid and writes the mmapped file (2-8 µs; the two of every
+    Produce were 4% of a worker at 2,000 requests/s), so increments add up
+    here and reach the value at most 0.1 s later: at the next tick of
+    watch_loop_lag, or the first increment after that. Not thread-safe: for
+    the event loop's thread only."""
+
+    def __init__(self, child: Any) -> None:
+        self._child = child
+        self._pending = 0.0
+        self._due = 0.0  # when the increments held here must reach the value
+        _tallies.append(self)
+
+    def inc(self, amount: float = 1) -> None:
+        self._pending += amount
+        now = time.monotonic()
+        if now >= self._due:
+            self.flush(now)
+
+    def flush(self, now: float) -> None:
+        if self._pending:
+            self._child.inc(self._pending)
+            self._pending = 0.0
+        self._due = now + _tally_s
+
+
+def flush_tallies() -> None:
+    now = time.monotonic()
+    for t in _tallies:
+        t.flush(now)
 
 
 @contextmanager
@@ -72,12 +111,17 @@ def s3_call(op: str) -> Iterator[None]:
 
 
 async def watch_loop_lag(interval_s: float = 0.1) -> None:
-    """Observe LOOP_LAG every interval_s: how much later than asked a sleep ends."""
+    """Observe LOOP_LAG every interval_s: how much later than asked a sleep
+    ends; and flush the Tallies."""
     lag = LOOP_LAG.labels(node(), process())
-    while True:
-        t = time.perf_counter()
-        await asyncio.sleep(interval_s)
-        lag.observe(max(time.perf_counter() - t - interval_s, 0))
+    try:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(interval_s)
+            lag.observe(max(time.perf_counter() - t - interval_s, 0))
+            flush_tallies()
+    finally:
+        flush_tallies()
 
 
 def render(lag: dict[tuple[str, str, int], int] | None = None) -> bytes:

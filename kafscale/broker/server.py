@@ -551,7 +551,7 @@ class KafkaServer:
 def _request_metrics(api_key: int) -> tuple[Any, Any]:
     """This process's request counter and latency histogram for one API."""
     name = APIS[api_key].name
-    return (metrics.REQUESTS.labels(metrics.node(), metrics.process(), name),
+    return (metrics.Tally(metrics.REQUESTS.labels(metrics.node(), metrics.process(), name)),
             metrics.REQUEST_SECONDS.labels(metrics.node(), name))
 
 

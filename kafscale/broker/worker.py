@@ -114,8 +114,8 @@ class Worker:
         self._opening = 0  # views being opened: their events may arrive before the view exists
         self._early: list[messages.PartitionChanged] = []
         # this process's children of the byte counters (a labels() lookup per request cost 4% of a worker)
-        self._produce_bytes = metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process())
-        self._fetch_bytes = metrics.FETCH_BYTES.labels(metrics.node(), metrics.process())
+        self._produce_bytes = metrics.Tally(metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process()))
+        self._fetch_bytes = metrics.Tally(metrics.FETCH_BYTES.labels(metrics.node(), metrics.process()))
         self.handlers = {
             schemas.API_VERSIONS.key: self.api_versions,
             schemas.PRODUCE.key: self.produce,

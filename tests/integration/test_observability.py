@@ -54,9 +54,11 @@ def test_metrics_merge_every_process_and_report_group_lag(make_broker, topic_nam
     c.commit(offsets=[TopicPartition(topic_name, 0, 60)], asynchronous=False)
     c.close()
 
-    status, text = get(f"http://{admin}/metrics")
-    assert status == 200
-    smp = samples(text)
+    assert get(f"http://{admin}/metrics")[0] == 200
+    # the workers' request and byte counters reach the metrics files within 0.1 s (metrics.Tally)
+    wait_for(lambda: total(samples(get(f"http://{admin}/metrics")[1]), "kafscale_fetch_bytes_total") >= 60 * 100,
+             5, "the Fetch bytes counted")
+    smp = samples(get(f"http://{admin}/metrics")[1])
     assert total(smp, "kafscale_requests_total", api="Produce") >= 1
     assert total(smp, "kafscale_requests_total", api="Fetch") >= 1
     assert total(smp, "kafscale_requests_total", api="OffsetCommit") == 1, "forwarded requests count once"
