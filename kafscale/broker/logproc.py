@@ -1,5 +1,5 @@
 """The log process's service to its workers, over a Unix socket: it answers
-the calls of messages.py (Hello, Produce, Frame, OpenView, GetUser) through
+the calls of messages.py (Hello, ProduceCall, Frame, OpenView, GetUser) through
 one dispatch table, and sends every worker a list of PartitionChanged
 whenever partition logs commit segments or slices, move their start offsets
 or close (the changes of one pass of the event loop together: a node flush
@@ -64,7 +64,7 @@ class LogService:
             return await self.broker.meta.get_user(msg.name)
 
         calls: dict[type, Any] = {
-            messages.Hello: hello, messages.Produce: lambda msg: self._produce(id(ch), msg),
+            messages.Hello: hello, tuple: lambda msg: self._produce(id(ch), msg),  # a ProduceCall
             messages.Frame: self._frame, messages.OpenView: self._view, messages.GetUser: get_user}
 
         async def on_call(msg: Any) -> Any:
@@ -81,27 +81,28 @@ class LogService:
             self._conn_tasks.discard(task)
 
     # ------------------------------------------------------------------ calls
-    async def _produce(self, worker: int, msg: messages.Produce) -> dict[str, Any] | None:
+    async def _produce(self, worker: int, msg: messages.ProduceCall) -> dict[str, Any] | None:
         """A connection's produces are appended in the order it sent them (calls
         start in arrival order and take its lock first thing); other
         connections' produces do not wait for them, even while this one opens
         partitions."""
-        req = msg.request
-        for td in req["topic_data"]:
-            for pd in td["partition_data"]:
-                pd["records"] = self._accept(pd["records"])
-        order = self._append_orders.get((worker, msg.conn))
+        conn, version, client_id, client_host, principal, acks, timeout_ms, transactional_id, topics = msg
+        req = {"acks": acks, "timeout_ms": timeout_ms, "transactional_id": transactional_id,
+               "topic_data": [{"name": name, "partition_data": [{"index": p, "records": self._accept(payload)}
+                                                                for p, payload in parts]}
+                              for name, parts in topics]}
+        order = self._append_orders.get((worker, conn))
         if order is None:
-            order = self._append_orders[(worker, msg.conn)] = asyncio.Lock()
-        hdr = RequestContext(PRODUCE.key, msg.version, 0, msg.client_id, False, msg.client_host, msg.principal,
-                             append_order=order)
+            order = self._append_orders[(worker, conn)] = asyncio.Lock()
+        hdr = RequestContext(PRODUCE.key, version, 0, client_id, False, client_host, principal, append_order=order)
         return await self.broker.produce_api.produce(hdr, req)
 
     def _accept(self, payload: messages.RingPayload | messages.RejectedPayload) -> Accepted | LogError:
         if isinstance(payload, messages.RejectedPayload):
             return LogError(ErrorCode(payload.code), payload.message)
-        tracker = self.trackers[payload.slot]
-        return tracker.track(payload.start, payload.length), functools.partial(tracker.release, payload.start)
+        slot, start, length = payload
+        tracker = self.trackers[slot]
+        return tracker.track(start, length), functools.partial(tracker.release, start)
 
     async def _frame(self, msg: messages.Frame) -> messages.FrameResult:
         try:

@@ -2,26 +2,19 @@
 pickled over ipc.Channel). Calls go from a worker to the log process, which
 answers each; events go from the log process to every worker.
 
-A produce request crosses the hop with each partition's `records` replaced:
-the worker puts a validated payload in its shared-memory ring and sends a
-RingPayload (or a RejectedPayload saying why not); the log process turns a
-RingPayload back into the bytes in place (produce_api.Accepted)."""
+A produce request crosses the hop as a ProduceCall, each partition's records
+replaced: the worker puts a validated payload in its shared-memory ring and
+sends a RingPayload (or a RejectedPayload saying why not); the log process
+turns a RingPayload back into the bytes in place (produce_api.Accepted)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from kafscale.broker.shm import CacheRef
 from kafscale.metadata.store import SegmentManifest
 
-
 # ------------------------------------------------------------ produce payloads
-@dataclass(frozen=True)
-class RingPayload:
-    """A validated payload: `length` bytes at `start` in worker `slot`'s ring."""
-    slot: int
-    start: int
-    length: int
+RingPayload = tuple[int, int, int]  # a validated payload: (slot, start, length) in worker slot's ring
 
 
 @dataclass(frozen=True)
@@ -38,15 +31,15 @@ class Hello:
     slot: int
 
 
-@dataclass(frozen=True)
-class Produce:
-    """A Produce request whose payloads are in the rings; answered with the response body (None for acks=0)."""
-    conn: int  # the client connection within the worker: its appends keep their order
-    version: int
-    client_id: str | None
-    client_host: str
-    principal: str
-    request: dict[str, Any]
+# A Produce request whose payloads are in the rings; answered with the response
+# body (None for acks=0). The one call made for every Produce request travels as
+# a plain tuple: pickling one takes 1.3 µs, a dataclass holding the request dict
+# and a dataclass per payload 9.5 µs (and about as much again to unpickle):
+#   (conn, version, client_id, client_host, principal, acks, timeout_ms, transactional_id,
+#    ((topic, ((partition, RingPayload | RejectedPayload), ...)), ...))
+# conn is the client connection within the worker: its appends keep their order.
+ProduceCall = tuple[int, int, str | None, str, str, int, int, str | None,
+                    tuple[tuple[str, tuple[tuple[int, RingPayload | RejectedPayload], ...]], ...]]
 
 
 @dataclass(frozen=True)

@@ -201,12 +201,12 @@ class Worker:
         the rest (in the order this connection sent them, since the call is
         sent before this coroutine first yields)."""
         assert self.chan is not None
-        for td in req["topic_data"]:
-            for pd in td["partition_data"]:
-                pd["records"] = self._stage(pd["records"])
+        topics = tuple((td["name"], tuple((pd["index"], self._stage(pd["records"])) for pd in td["partition_data"]))
+                       for td in req["topic_data"])
+        call: messages.ProduceCall = (SESSION.get().conn, hdr.api_version, hdr.client_id, hdr.client_host,
+                                      hdr.principal, req["acks"], req["timeout_ms"], req["transactional_id"], topics)
         try:
-            reply = self.chan.call(messages.Produce(SESSION.get().conn, hdr.api_version, hdr.client_id, hdr.client_host,
-                                           hdr.principal, req))
+            reply = self.chan.call(call)
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
         if req["acks"] == 0:
@@ -237,7 +237,7 @@ class Worker:
             if b.max_timestamp_fixed:
                 _native.set_max_timestamp(staged, b)
         self._produce_bytes.inc(n)
-        return messages.RingPayload(self.slot, start, n)
+        return self.slot, start, n
 
     # ---------------------------------------------------------------- Fetch
     async def fetch(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
