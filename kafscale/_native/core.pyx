@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Hot-path primitives: CRC32C, varints, Kafka RecordBatch v2 parsing,
-validation, in-place base-offset patching, record iteration and compression
-dispatch.
+validation, in-place base-offset patching, segment assembly, record
+iteration and compression dispatch.
 
 RecordBatch v2 layout (big-endian), offsets from the batch start:
   0 baseOffset i64 | 8 batchLength i32 | 12 partitionLeaderEpoch i32 |
@@ -487,6 +487,66 @@ def patch_batch(uint8_t[::1] buf, Py_ssize_t position, int64_t base_offset, int3
         raise IndexError("batch position out of range")
     wr_i64(&buf[position], base_offset)
     wr_i32(&buf[position + 12], leader_epoch)
+
+
+def assemble_segment(list parts, Py_ssize_t header_size, Py_ssize_t footer_size, Py_ssize_t index_interval):
+    """The batches of a segment, copied once into a new buffer: `parts` are
+    (payload, assigned base offset) pairs, a payload holding one or more
+    batches back to back. The batches start at header_size, footer_size
+    bytes stay free after them (storage/segment.py writes both), each gets
+    its base offset patched in and its leader epoch zeroed, and an index
+    entry (offset i64, position i32, big-endian) names the first batch and
+    then each batch starting index_interval or more bytes after the last
+    named one. Returns (buffer, end of the batches, CRC32C of the batches,
+    batch positions, batch base offsets, index entries, records, smallest
+    base timestamp, largest max timestamp, last offset)."""
+    cdef Py_ssize_t total = 0, pos = header_size, bpos, n, at, last_indexed = -index_interval
+    cdef int64_t base, min_ts = 0x7FFFFFFFFFFFFFFF, max_ts = -1, last_offset = -1, ts
+    cdef int64_t count = 0
+    cdef int32_t delta
+    cdef const uint8_t[::1] src
+    cdef uint8_t *d
+    cdef uint8_t entry[12]
+    cdef uint32_t crc
+    for payload, base_obj in parts:
+        total += len(payload)
+    data = bytearray(header_size + total + footer_size)
+    d = <uint8_t *>PyByteArray_AS_STRING(data)
+    positions, bases, entries = [], [], bytearray()
+    for payload, base_obj in parts:
+        src = payload
+        n = src.shape[0]
+        base = base_obj
+        if n:
+            memcpy(d + pos, &src[0], n)
+        at = 0
+        while at < n:
+            b = read_header(d + pos, at, n, False)
+            bpos = pos + at
+            wr_i64(d + bpos, base)
+            wr_i32(d + bpos + 12, 0)
+            positions.append(bpos)
+            bases.append(base)
+            if bpos - last_indexed >= index_interval:
+                wr_i64(entry, base)
+                wr_i32(entry + 8, <int32_t>bpos)
+                entries += entry[:12]
+                last_indexed = bpos
+            count += (<BatchInfo>b).record_count
+            ts = (<BatchInfo>b).base_timestamp
+            if ts < min_ts:
+                min_ts = ts
+            ts = (<BatchInfo>b).max_timestamp
+            if ts > max_ts:
+                max_ts = ts
+            delta = (<BatchInfo>b).last_offset_delta
+            last_offset = base + delta
+            base = last_offset + 1
+            at += (<BatchInfo>b).size
+        pos += n
+    with nogil:
+        crc = ks_crc32c(0, d + header_size, pos - header_size, 0)
+    return data, pos, crc, positions, bases, bytes(entries), count, min_ts, max_ts, last_offset
 
 
 def iter_records(BatchInfo batch, const uint8_t[::1] buf):

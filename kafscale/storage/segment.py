@@ -102,42 +102,15 @@ def build_segment(batches: Sequence[tuple[memoryview | bytes, int]], created_ms:
     """Assemble a segment from (batch bytes, assigned base offset) pairs.
 
     Batches are copied once into the object buffer and their base offsets
-    patched in place (the batch CRC does not cover it)."""
-    body_len = sum(len(b) for b, _ in batches)
-    data = bytearray(HEADER_SIZE + body_len + FOOTER_SIZE)
-    pos = HEADER_SIZE
-    positions: list[int] = []
-    bases: list[int] = []
-    count = 0
-    min_ts, max_ts = 2**63 - 1, -1
-    entries: list[bytes] = []
-    last_indexed = -index_interval
-    last_offset = -1
-    for buf, base in batches:
-        n = len(buf)
-        data[pos:pos + n] = buf
-        for info in _native.scan_batches(buf):  # a produce payload may hold several batches
-            bpos = pos + info.position
-            _native.patch_batch(data, bpos, base, 0)
-            positions.append(bpos)
-            bases.append(base)
-            if bpos - last_indexed >= index_interval:
-                entries.append(INDEX_ENTRY.pack(base, bpos))
-                last_indexed = bpos
-            count += info.record_count
-            min_ts = min(min_ts, info.base_timestamp)
-            max_ts = max(max_ts, info.max_timestamp)
-            last_offset = base + info.last_offset_delta
-            base = last_offset + 1
-        pos += n
+    patched in place (the batch CRC does not cover it), in native code: a
+    node flush builds one segment per partition it holds."""
+    (data, end, crc, positions, bases, entries, count, min_ts, max_ts,
+     last_offset) = _native.assemble_segment(list(batches), HEADER_SIZE, FOOTER_SIZE, index_interval)
     if not positions:
         raise SegmentFormatError("a segment needs at least one batch")
-    body = memoryview(data)[HEADER_SIZE:pos]
-    crc = _native.crc32c(body)
-    body.release()
     HEADER.pack_into(data, 0, SEGMENT_MAGIC, FORMAT_VERSION, 0, bases[0], count, created_ms)
-    FOOTER.pack_into(data, pos, crc, last_offset, FOOTER_MAGIC)
-    index = INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, len(entries), index_interval) + b"".join(entries)
+    FOOTER.pack_into(data, end, crc, last_offset, FOOTER_MAGIC)
+    index = INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, len(entries) // INDEX_ENTRY.size, index_interval) + entries
     return BuiltSegment(data, index, bases[0], last_offset, count, min_ts, max_ts, positions, bases)
 
 

@@ -46,6 +46,18 @@ def test_segment_bytes():
     assert (hdr.base_offset, hdr.count, last_off, len(body)) == (100, 12, 111, len(data) - 48)
 
 
+def test_a_malformed_payload_builds_no_segment():
+    """build_segment copies and patches in native code: a truncated batch, or
+    a payload of nothing, is refused, never read or written out of bounds."""
+    b = batches(2)
+    with pytest.raises(_native.BatchError):
+        build_segment([(b[0], 0), (b[1][:-5], 3)], created_ms=0)
+    with pytest.raises(_native.BatchError):
+        build_segment([(b[0] + b"\0" * 20, 0)], created_ms=0)
+    with pytest.raises(SegmentFormatError):
+        build_segment([(b"", 0)], created_ms=0)
+
+
 def test_index_bytes_and_lookup():
     bs = batches(10, per=3, size=250)  # ~830 bytes a batch: an entry every 4th batch
     seg = build_segment([(b, i * 3) for i, b in enumerate(bs)], created_ms=0, index_interval=2500)
