@@ -28,9 +28,11 @@ dropped by design: handlers build every response against the newest schema.
 Each Message checks its schema's invariants when it is created."""
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -160,7 +162,12 @@ def parse_schema(text: str) -> list[Field]:
 
 # --------------------------------------------------------------------------- encoding helpers
 
+_SMALL = [bytes([n]) for n in range(0x80)]  # the one-byte varints: nearly every length and count
+
+
 def _uvarint(n: int) -> bytes:
+    if 0 <= n < 0x80:
+        return _SMALL[n]
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -224,6 +231,10 @@ class Reader:
         return v
 
     def uvarint(self) -> int:
+        pos = self.pos
+        if pos < self.end and (b := self.buf[pos]) < 0x80:  # one byte: nearly every length and count
+            self.pos = pos + 1
+            return b
         shift = result = 0
         while True:
             if self.pos >= self.end or shift > 63:
@@ -251,16 +262,74 @@ class _StructCodec:
         self.tagged = sorted((f for f in self.fields if f.tag is not None), key=lambda f: f.tag or 0)
         self.children = {f.name: _StructCodec(f.fields, version, flexible)
                          for f in self.fields if f.type in ("array", "struct") and f.item is None}
+        # Compiled for this version (a Produce request is decoded and its response
+        # encoded for every produce: the checks by type and version then happen
+        # once here, not per field per message): a reader and a writer per
+        # regular field, and the defaults of the others, made anew per message
+        # only where they are mutable.
+        self._readers = [(f.name, self._reader(f)) for f in self.regular]
+        self._writers = [(f.name, self._writer(f)) for f in self.regular]
+        self._defaults = [(f.name, value, f if isinstance(value, list | dict) else None)
+                          for f in (*self.tagged, *self.absent) for value in (f.default_value(version),)]
+
+    def _reader(self, f: Field) -> Callable[[Reader], Any]:
+        s = _PRIMS.get(f.type)
+        if s is not None:
+            size, unpack = s.size, s.unpack_from
+
+            def prim(r: Reader) -> Any:
+                pos = r.pos
+                if pos + size > r.end:
+                    raise DecodeError(f"truncated at byte {pos}")
+                r.pos = pos + size
+                return unpack(r.buf, pos)[0]
+            return prim
+        if f.type == "array" and f.item is None:
+            child, flex = self.children[f.name], self.flexible
+
+            def array(r: Reader) -> list[dict[str, Any]] | None:
+                n = r.uvarint() - 1 if flex else r.prim(_I32)
+                if n < 0:
+                    return self._null(f)
+                if n > r.end - r.pos:  # each element takes at least one byte
+                    raise DecodeError(f"array {f.name} claims {n} elements")
+                decode = child.decode
+                return [decode(r) for _ in range(n)]
+            return array
+        return functools.partial(self._read, f=f)
+
+    def _writer(self, f: Field) -> Callable[[Writer, Any], None]:
+        default = f.default_value(self.version)
+        s = _PRIMS.get(f.type)
+        if s is not None:
+            pack = s.pack
+
+            def prim(w: Writer, value: Any) -> None:
+                w.buf += pack(default if value is _MISSING else value)
+            return prim
+        if f.type == "array" and f.item is None:
+            child, nullable = self.children[f.name], f.nullable(self.version)
+
+            def array(w: Writer, value: Any) -> None:
+                if value is _MISSING:
+                    value = f.default_value(self.version)
+                if value is None:
+                    if nullable:
+                        self._write_len(w, -1, True)
+                        return
+                    value = ()  # null is not expressible in this version: send the empty value
+                self._write_len(w, len(value), True)
+                encode = child.encode
+                for v in value:
+                    encode(w, v)
+            return array
+        return functools.partial(self._write, f=f)
 
     # -- decode
     def decode(self, r: Reader) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in self.regular:
-            out[f.name] = self._read(r, f)
-        for f in self.tagged:
-            out[f.name] = f.default_value(self.version)
-        for f in self.absent:
-            out[f.name] = f.default_value(self.version)
+        out = {name: read(r) for name, read in self._readers}
+        for name, value, fresh in self._defaults:
+            out[name] = value if fresh is None else fresh.default_value(self.version)
         if self.flexible:
             by_tag = {f.tag: f for f in self.tagged}
             for _ in range(r.uvarint()):
@@ -279,6 +348,7 @@ class _StructCodec:
         return r.prim(_I32 if wide else _I16)
 
     def _read(self, r: Reader, f: Field) -> Any:
+        """Any field, by its type (the compiled readers' fallback)."""
         t = f.type
         s = _PRIMS.get(t)
         if s is not None:
@@ -337,16 +407,20 @@ class _StructCodec:
     def encode(self, w: Writer, obj: dict[str, Any]) -> None:
         if STRICT:
             self._check(obj)
-        for f in self.regular:
-            self._write(w, f, obj.get(f.name, _MISSING))
+        get = obj.get
+        for name, write in self._writers:
+            write(w, get(name, _MISSING))
         if self.flexible:
+            if not self.tagged:
+                w.buf += b"\x00"  # no tagged fields
+                return
             present = []
             for f in self.tagged:
                 value = obj.get(f.name, _MISSING)
                 if value is _MISSING or value == f.default_value(self.version):
                     continue
                 sub = Writer()
-                self._write(sub, f, value)
+                self._write(sub, value, f)
                 present.append((f.tag, b"".join(bytes(c) for c in sub.finish())))
             w.write(_uvarint(len(present)))
             for tag, data in present:
@@ -360,7 +434,8 @@ class _StructCodec:
         else:
             w.write((_I32 if wide else _I16).pack(n))
 
-    def _write(self, w: Writer, f: Field, value: Any) -> None:
+    def _write(self, w: Writer, value: Any, f: Field) -> None:
+        """Any field, by its type (the compiled writers' fallback)."""
         if value is _MISSING:
             value = f.default_value(self.version)
         t = f.type
@@ -400,7 +475,7 @@ class _StructCodec:
             if f.item is not None:
                 item = Field(name=f.name, type=f.item)
                 for v in value:
-                    self._write(w, item, v)
+                    self._write(w, v, item)
             else:
                 child = self.children[f.name]
                 for v in value:
