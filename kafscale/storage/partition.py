@@ -30,7 +30,15 @@ from kafscale.protocol.errors import ErrorCode
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectExists, ObjectStore
 from kafscale.storage.reader import LogError, LogReader, ReadBudget, SegmentSource
-from kafscale.storage.segment import HEADER_SIZE, BuiltSegment, build_segment, index_key, key_epoch, segment_key
+from kafscale.storage.segment import (
+    HEADER_SIZE,
+    BuiltSegment,
+    build_segment,
+    has_index,
+    index_key,
+    key_epoch,
+    segment_key,
+)
 from kafscale.storage.wal import continuing, retry
 
 if TYPE_CHECKING:
@@ -467,10 +475,11 @@ class PartitionLog(LogReader):
                 p.future.set_result(p.base)
 
     async def _upload(self, key: str, data: bytearray, index: bytes) -> None:
-        """Write both objects once. The key carries our epoch, which only this
-        process holds, so an existing object is our own earlier attempt at this
-        very segment (same bytes) whose reply was lost. The two PUTs run
-        concurrently: nothing reads either object before the etcd commit."""
+        """Write both objects once (the index only if the segment has one). The
+        key carries our epoch, which only this process holds, so an existing
+        object is our own earlier attempt at this very segment (same bytes)
+        whose reply was lost. The two PUTs run concurrently: nothing reads
+        either object before the etcd commit."""
         async def put(k: str, body: bytes | bytearray) -> None:
             try:
                 await self.store.put(k, body)
@@ -478,7 +487,7 @@ class PartitionLog(LogReader):
                 if await self.store.size(k) != len(body):
                     raise Fenced(f"{k} exists with other content: another writer holds epoch {self.epoch}") from None
 
-        await asyncio.gather(put(key, data), put(index_key(key), index))
+        await asyncio.gather(put(key, data), *([put(index_key(key), index)] if has_index(len(data)) else []))
 
     async def _commit(self, new_state: PartitionState, manifest: SegmentManifest) -> bytes:
         t = time.perf_counter()
@@ -545,7 +554,8 @@ class PartitionLog(LogReader):
             if m.pos >= 0:  # a node object's slice: the object goes once all its slices are gone (wal.collect)
                 continue
             try:
-                await asyncio.gather(self.store.delete(m.key), self.store.delete(index_key(m.key)))
+                await asyncio.gather(self.store.delete(m.key),
+                                     *([self.store.delete(index_key(m.key))] if has_index(m.size) else []))
             except Exception as exc:
                 log.warning("could not delete %s: %r", m.key, exc)
         log.info("%s/%d: %s removed %d segments; log start offset now %d", self.topic, self.partition, why,

@@ -19,7 +19,15 @@ from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol.errors import ErrorCode, KafkaError
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectStore
-from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE, SegmentIndex, first_at_or_after, index_key, parse_index
+from kafscale.storage.segment import (
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    SegmentIndex,
+    first_at_or_after,
+    has_index,
+    index_key,
+    parse_index,
+)
 
 
 class LogError(KafkaError):
@@ -275,9 +283,11 @@ class LogReader:
 
     def _whole(self, m: SegmentManifest, offset: int) -> bool:
         """Whether one window from the segment's start holds its body (no index needed).
-        A slice of a node object has no index: it is read whole (node objects are
+        A slice of a node object, and a segment of at most DEFAULT_INDEX_INTERVAL
+        bytes of batches, have no index: they are read whole (node objects are
         at most readahead_bytes)."""
-        return m.pos >= 0 or (offset == m.base and m.size - FOOTER_SIZE - HEADER_SIZE <= self.readahead_bytes)
+        return m.pos >= 0 or not has_index(m.size) or (offset == m.base
+                                                       and m.size - FOOTER_SIZE - HEADER_SIZE <= self.readahead_bytes)
 
     async def _index_for(self, m: SegmentManifest, offset: int) -> SegmentIndex | None:
         return None if self._whole(m, offset) else await self._index(m)

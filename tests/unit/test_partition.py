@@ -19,6 +19,7 @@ from kafscale.protocol.errors import ErrorCode
 from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
+from kafscale.storage.segment import index_key
 
 TOPIC = "orders"
 
@@ -92,10 +93,25 @@ def test_acknowledged_only_once_in_s3_and_committed_in_etcd():
         assert await c.hw() == 3 and lg.hw == 3
         [m] = await c.meta.list_segments(TOPIC, 0)
         assert (m.base, m.last, m.count) == (0, 2, 3)
-        assert m.key in c.store.objects and any(k.endswith(".index") for k in c.store.objects)
+        assert m.key in c.store.objects
+        assert not any(k.endswith(".index") for k in c.store.objects), "a segment this small has no index"
         data = b"".join(bytes(b) for b in await lg.read(0, 1 << 20))
         values = [v for b in _native.scan_batches(data, True) for *_, v, _ in _native.iter_records(b, data)]
         assert values == [b"a", b"b", b"c"]
+        await lg.close()
+
+    run(go())
+
+
+def test_only_a_segment_of_more_than_64_kib_of_batches_gets_an_index():
+    async def go():
+        c = Cluster()
+        lg = await c.open()
+        await append(lg, batch(b"small"))
+        await append(lg, batch(bytes(70 << 10)))
+        small, big = await c.meta.list_segments(TOPIC, 0)
+        assert index_key(small.key) not in c.store.objects
+        assert index_key(big.key) in c.store.objects
         await lg.close()
 
     run(go())
@@ -107,7 +123,7 @@ def test_s3_and_etcd_failures_are_retried_never_dropped():
         lg = await c.open()
         c.store.fail_next("put", 3)
         assert await append(lg, batch(b"x")) == 0
-        assert c.store.requests["put"] >= 5, "three failed PUTs, then the segment and its index"
+        assert c.store.requests["put"] >= 4, "three failed PUTs, then the segment (too small for an index)"
         c.etcd.down = True
         fut = append(lg, batch(b"y"))
         await asyncio.sleep(0.3)

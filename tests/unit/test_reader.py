@@ -80,6 +80,21 @@ def test_a_reader_at_the_end_does_not_break_another_waiting_for_the_prefetch():
     asyncio.run(run())
 
 
+def test_a_segment_of_at_most_64_kib_is_read_whole_without_an_index():
+    async def run() -> None:
+        store = HeldStore()
+        m = segment(store, 0, 20, batches=10)  # 20 small records: no .index object
+        del store.objects[index_key(m.key)]
+        r = LogReader(store, NoCache(), 1 << 10, ReadBudget(64 << 20))  # type: ignore[arg-type]
+        r.set_segments([m])
+        r.hw = 20
+        got = offsets(await r.read(13, 1 << 20))
+        assert got[0] <= 13 and got[-1] == 19
+        assert all(k == m.key for k, _, _ in store.gets), "no index read"
+
+    asyncio.run(run())
+
+
 def offsets(chunks: list) -> list[int]:
     return [o for b in _native.scan_batches(b"".join(bytes(c) for c in chunks))
             for o in range(b.base_offset, b.base_offset + b.last_offset_delta + 1)]
