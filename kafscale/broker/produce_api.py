@@ -95,8 +95,9 @@ class ProduceApi(PartitionApi):
             for td in req["topic_data"]:
                 parts = []
                 writable = self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, td["name"])
-                creatable = writable and self.access.may_create_topic(hdr, td["name"])
-                meta = await self.partitions.topic(td["name"], creatable) if writable else None
+                meta = self.partitions.topics.get(td["name"]) if writable else None
+                if meta is None and writable:  # not known here yet: look it up, maybe create it
+                    meta = await self.partitions.topic(td["name"], self.access.may_create_topic(hdr, td["name"]))
                 for pd in td["partition_data"]:
                     r = {"index": pd["index"], "error_code": 0, "base_offset": -1, "log_append_time_ms": -1,
                          "log_start_offset": -1, "record_errors": [], "error_message": None}
@@ -119,7 +120,9 @@ class ProduceApi(PartitionApi):
                         limit = topic_config.value(meta.config, "max.message.bytes", self.partitions.defaults)
                         if any(b.size > limit for b in batches):
                             raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
-                        lg = await self.partitions.partition_log(meta.name, pd["index"])
+                        lg = self.partitions.logs.get((meta.name, pd["index"]))
+                        if lg is None or lg.closed:  # not open (or closing): open it, or learn why not
+                            lg = await self.partitions.partition_log(meta.name, pd["index"])
                         base, fut = lg.append(payload, batches, acks != 0, release)
                         accepted = None  # the log releases the payload now
                         r["base_offset"] = base
@@ -146,11 +149,14 @@ class ProduceApi(PartitionApi):
         connection's append order."""
         for td in req["topic_data"]:
             meta = self.partitions.topics.get(td["name"])
-            if meta is None or not self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, meta.name):
+            if meta is None:
                 continue
-            for pd in td["partition_data"]:
-                if has_partition(meta, pd["index"]):
-                    self.partitions.open_soon(meta.name, pd["index"])
+            closed = [pd["index"] for pd in td["partition_data"] if not self.partitions.is_open(meta.name, pd["index"])]
+            if not closed or not self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, meta.name):
+                continue
+            for p in closed:
+                if has_partition(meta, p):
+                    self.partitions.open_soon(meta.name, p)
 
     async def _await_durable(self, results: list[tuple[dict[str, Any], asyncio.Future[int] | None]],
                              wait_s: float) -> None:
