@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kafscale.broker.context import RequestContext
@@ -45,51 +46,45 @@ async def _closed_after(reader: asyncio.StreamReader) -> float:
     return time.monotonic() - t
 
 
+def _on_a_connection(check: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+                     slow_s: float = 0) -> None:
+    """Run check on a connection to a fresh listener."""
+    async def run() -> None:
+        server = await _server(slow_s)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            await check(reader, writer)
+            writer.close()
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
 def test_a_connection_that_keeps_sending_outlives_its_limits_and_an_idle_one_does_not() -> None:
-    asyncio.run(_a_connection_that_keeps_sending_outlives_its_limits_and_an_idle_one_does_not())
-
-
-async def _a_connection_that_keeps_sending_outlives_its_limits_and_an_idle_one_does_not() -> None:
-    server = await _server()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    async def check(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for i in range(12):  # 12 x 0.1 s: three times the limits, each request well within them
             await asyncio.sleep(LIMIT_S / 4)
             writer.write(_request(i))
             assert await _answer(reader) == i
         assert LIMIT_S <= await _closed_after(reader) < LIMIT_S + 1  # then idle: closed
-        writer.close()
-    finally:
-        await server.close()
+
+    _on_a_connection(check)
 
 
 def test_a_frame_that_stops_after_its_size_is_closed_at_the_read_limit() -> None:
-    asyncio.run(_a_frame_that_stops_after_its_size_is_closed_at_the_read_limit())
-
-
-async def _a_frame_that_stops_after_its_size_is_closed_at_the_read_limit() -> None:
-    server = await _server()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    async def check(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(_request(1))
         assert await _answer(reader) == 1
         writer.write(_request(2)[:10])  # the size and part of the header, then nothing
         assert await _closed_after(reader) < LIMIT_S + 1
-        writer.close()
-    finally:
-        await server.close()
+
+    _on_a_connection(check)
 
 
 def test_a_connection_waiting_for_an_answer_is_not_idle() -> None:
-    asyncio.run(_a_connection_waiting_for_an_answer_is_not_idle())
-
-
-async def _a_connection_waiting_for_an_answer_is_not_idle() -> None:
-    server = await _server(slow_s=3 * LIMIT_S)
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    async def check(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(_request(7))
         assert await asyncio.wait_for(_answer(reader), 10) == 7
-        writer.close()
-    finally:
-        await server.close()
+
+    _on_a_connection(check, slow_s=3 * LIMIT_S)
