@@ -265,14 +265,17 @@ class _StructCodec:
         # Compiled for this version (a Produce request is decoded and its response
         # encoded for every produce: the checks by type and version then happen
         # once here, not per field per message): a reader and a writer per
-        # regular field, and the defaults of the others, made anew per message
-        # only where they are mutable.
+        # field, and the defaults of the fields a message may lack, made anew
+        # per message only where they are mutable.
         self._readers = [(f.name, self._reader(f)) for f in self.regular]
         self._writers = [(f.name, self._writer(f)) for f in self.regular]
+        self._tag_readers = {f.tag: (f.name, self._reader(f)) for f in self.tagged}
+        self._tag_writers = [(f, self._writer(f)) for f in self.tagged]
         self._defaults = [(f.name, value, f if isinstance(value, list | dict) else None)
                           for f in (*self.tagged, *self.absent) for value in (f.default_value(version),)]
 
     def _reader(self, f: Field) -> Callable[[Reader], Any]:
+        """Integers and arrays here; the other types through _read."""
         s = _PRIMS.get(f.type)
         if s is not None:
             size, unpack = s.size, s.unpack_from
@@ -284,21 +287,23 @@ class _StructCodec:
                 r.pos = pos + size
                 return unpack(r.buf, pos)[0]
             return prim
-        if f.type == "array" and f.item is None:
-            child, flex = self.children[f.name], self.flexible
+        if f.type == "array":
+            flex = self.flexible
+            element = (self.children[f.name].decode if f.item is None
+                       else self._reader(Field(name=f.name, type=f.item)))
 
-            def array(r: Reader) -> list[dict[str, Any]] | None:
-                n = r.uvarint() - 1 if flex else r.prim(_I32)
+            def array(r: Reader) -> list[Any] | None:
+                n = self._len(r, flex, True)
                 if n < 0:
                     return self._null(f)
                 if n > r.end - r.pos:  # each element takes at least one byte
                     raise DecodeError(f"array {f.name} claims {n} elements")
-                decode = child.decode
-                return [decode(r) for _ in range(n)]
+                return [element(r) for _ in range(n)]
             return array
         return functools.partial(self._read, f=f)
 
     def _writer(self, f: Field) -> Callable[[Writer, Any], None]:
+        """Integers and arrays here; the other types through _write."""
         default = f.default_value(self.version)
         s = _PRIMS.get(f.type)
         if s is not None:
@@ -307,8 +312,10 @@ class _StructCodec:
             def prim(w: Writer, value: Any) -> None:
                 w.buf += pack(default if value is _MISSING else value)
             return prim
-        if f.type == "array" and f.item is None:
-            child, nullable = self.children[f.name], f.nullable(self.version)
+        if f.type == "array":
+            nullable = f.nullable(self.version)
+            element = (self.children[f.name].encode if f.item is None
+                       else self._writer(Field(name=f.name, type=f.item)))
 
             def array(w: Writer, value: Any) -> None:
                 if value is _MISSING:
@@ -319,9 +326,8 @@ class _StructCodec:
                         return
                     value = ()  # null is not expressible in this version: send the empty value
                 self._write_len(w, len(value), True)
-                encode = child.encode
                 for v in value:
-                    encode(w, v)
+                    element(w, v)
             return array
         return functools.partial(self._write, f=f)
 
@@ -331,15 +337,14 @@ class _StructCodec:
         for name, value, fresh in self._defaults:
             out[name] = value if fresh is None else fresh.default_value(self.version)
         if self.flexible:
-            by_tag = {f.tag: f for f in self.tagged}
             for _ in range(r.uvarint()):
                 tag, size = r.uvarint(), r.uvarint()
-                f = by_tag.get(tag)
-                if f is None:
+                known = self._tag_readers.get(tag)
+                if known is None:
                     r.take(size)  # unknown tagged field: skip
                     continue
-                sub = Reader(r.take(size))
-                out[f.name] = self._read(sub, f)
+                name, read = known
+                out[name] = read(Reader(r.take(size)))
         return out
 
     def _len(self, r: Reader, compact: bool, wide: bool) -> int:
@@ -348,11 +353,8 @@ class _StructCodec:
         return r.prim(_I32 if wide else _I16)
 
     def _read(self, r: Reader, f: Field) -> Any:
-        """Any field, by its type (the compiled readers' fallback)."""
+        """A field of a type _reader does not compile."""
         t = f.type
-        s = _PRIMS.get(t)
-        if s is not None:
-            return r.prim(s)
         flex = self.flexible
         if t == "string":
             n = self._len(r, flex, False)
@@ -371,17 +373,6 @@ class _StructCodec:
             return r.take(1)[0] != 0
         if t == "uuid":
             return bytes(r.take(16))
-        if t == "array":
-            n = self._len(r, flex, True)
-            if n < 0:
-                return self._null(f)
-            if n > r.end - r.pos:  # each element takes at least one byte
-                raise DecodeError(f"array {f.name} claims {n} elements")
-            if f.item is not None:
-                item = Field(name=f.name, type=f.item)
-                return [self._read(r, item) for _ in range(n)]
-            child = self.children[f.name]
-            return [child.decode(r) for _ in range(n)]
         if t == "struct":
             if f.nullable(self.version) and r.prim(_I8) < 0:  # a nullable struct: -1 null, 1 present
                 return None
@@ -415,12 +406,12 @@ class _StructCodec:
                 w.buf += b"\x00"  # no tagged fields
                 return
             present = []
-            for f in self.tagged:
+            for f, write in self._tag_writers:
                 value = obj.get(f.name, _MISSING)
                 if value is _MISSING or value == f.default_value(self.version):
                     continue
                 sub = Writer()
-                self._write(sub, value, f)
+                write(sub, value)
                 present.append((f.tag, b"".join(bytes(c) for c in sub.finish())))
             w.write(_uvarint(len(present)))
             for tag, data in present:
@@ -435,16 +426,12 @@ class _StructCodec:
             w.write((_I32 if wide else _I16).pack(n))
 
     def _write(self, w: Writer, value: Any, f: Field) -> None:
-        """Any field, by its type (the compiled writers' fallback)."""
+        """A field of a type _writer does not compile."""
         if value is _MISSING:
             value = f.default_value(self.version)
         t = f.type
         if value is None and not f.nullable(self.version) and t in _EMPTY:
             value = _EMPTY[t]  # null is not expressible in this version: send the empty value
-        s = _PRIMS.get(t)
-        if s is not None:
-            w.write(s.pack(value))
-            return
         if t == "string":
             if value is None:
                 self._write_len(w, -1, False)
@@ -467,19 +454,6 @@ class _StructCodec:
             w.write(b"\x01" if value else b"\x00")
         elif t == "uuid":
             w.write(value.bytes if isinstance(value, uuid.UUID) else value)
-        elif t == "array":
-            if value is None:
-                self._write_len(w, -1, True)
-                return
-            self._write_len(w, len(value), True)
-            if f.item is not None:
-                item = Field(name=f.name, type=f.item)
-                for v in value:
-                    self._write(w, v, item)
-            else:
-                child = self.children[f.name]
-                for v in value:
-                    child.encode(w, v)
         elif t == "struct":
             if f.nullable(self.version):
                 w.write(b"\xff" if value is None else b"\x01")
@@ -491,7 +465,7 @@ class _StructCodec:
 
 
 _MISSING = object()
-_EMPTY: dict[str, Any] = {"string": "", "bytes": b"", "records": b"", "array": []}
+_EMPTY: dict[str, Any] = {"string": "", "bytes": b"", "records": b""}
 
 
 def check_schema(fields: list[Field], flexible_min: int, where: str = "") -> None:
