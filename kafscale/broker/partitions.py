@@ -155,10 +155,10 @@ class PartitionRegistry:
 
     # ------------------------------------------------------------------- logs
     async def partition_log(self, topic: str, p: int) -> PartitionLog:
-        key = TopicPartition(topic, p)
-        lg = self.logs.get(key)
-        if lg is not None and not lg.closed:
+        lg = self.open_log(topic, p)
+        if lg is not None:
             return lg
+        key = TopicPartition(topic, p)
         pending = self._opening.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
@@ -231,9 +231,13 @@ class PartitionRegistry:
         if not task.cancelled():
             task.exception()  # retrieved: partition_log's next caller reports it
 
-    def is_open(self, topic: str, p: int) -> bool:
+    def open_log(self, topic: str, p: int) -> PartitionLog | None:
+        """The partition's log if it is open here (partition_log opens it)."""
         lg = self.logs.get((topic, p))
-        return lg is not None and not lg.closed
+        return lg if lg is not None and not lg.closed else None
+
+    def is_open(self, topic: str, p: int) -> bool:
+        return self.open_log(topic, p) is not None
 
     def log_bytes(self, topic: str, p: int, committed: dict[TopicPartition, int]) -> int:
         """Bytes of a partition's log: its segments and slices when open here, else

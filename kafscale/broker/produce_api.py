@@ -120,9 +120,8 @@ class ProduceApi(PartitionApi):
                         limit = topic_config.value(meta.config, "max.message.bytes", self.partitions.defaults)
                         if any(b.size > limit for b in batches):
                             raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
-                        lg = self.partitions.logs.get((meta.name, pd["index"]))
-                        if lg is None or lg.closed:  # not open (or closing): open it, or learn why not
-                            lg = await self.partitions.partition_log(meta.name, pd["index"])
+                        lg = (self.partitions.open_log(meta.name, pd["index"])  # without a coroutine when open
+                              or await self.partitions.partition_log(meta.name, pd["index"]))
                         base, fut = lg.append(payload, batches, acks != 0, release)
                         accepted = None  # the log releases the payload now
                         r["base_offset"] = base

@@ -286,8 +286,8 @@ class LogReader:
         A slice of a node object, and a segment of at most DEFAULT_INDEX_INTERVAL
         bytes of batches, have no index: they are read whole (node objects are
         at most readahead_bytes)."""
-        return m.pos >= 0 or not has_index(m.size) or (offset == m.base
-                                                       and m.size - FOOTER_SIZE - HEADER_SIZE <= self.readahead_bytes)
+        return not has_index(m.size, m.pos) or (offset == m.base
+                                                and m.size - FOOTER_SIZE - HEADER_SIZE <= self.readahead_bytes)
 
     async def _index_for(self, m: SegmentManifest, offset: int) -> SegmentIndex | None:
         return None if self._whole(m, offset) else await self._index(m)

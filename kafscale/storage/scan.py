@@ -237,7 +237,7 @@ async def _cut(store: ObjectStore, topic: str, s: Segment, start: int, end: int,
     bigger. The index is read only for a segment that needs it."""
     body_end = s.size - FOOTER_SIZE
     lo, hi = max(start, s.base), min(end, s.last + 1)
-    if s.pos >= 0 or not has_index(s.size) or (s.size <= max_bytes and lo == s.base):  # no index: read whole
+    if not has_index(s.size, s.pos) or (s.size <= max_bytes and lo == s.base):  # no index: read whole
         return [Slice(topic, s.partition, s.key, s.start + HEADER_SIZE, s.start + body_end, lo, hi)]
     idx = parse_index(await store.get(index_key(s.key)))
     first = max(bisect.bisect_right(idx.offsets, lo) - 1, 0)

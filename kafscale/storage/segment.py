@@ -49,12 +49,13 @@ def index_key(segment: str) -> str:
     return segment[: -len(".kfs")] + ".index"
 
 
-def has_index(size: int) -> bool:
+def has_index(size: int, pos: int = -1) -> bool:
     """Whether a segment of `size` bytes has a .index object: only one whose
-    batches take more than DEFAULT_INDEX_INTERVAL bytes. A smaller one's index
-    would name only its first batch, so it is read whole instead (with many
-    small partitions, their compactions then PUT one object each, not two)."""
-    return size - HEADER_SIZE - FOOTER_SIZE > DEFAULT_INDEX_INTERVAL
+    batches take more than DEFAULT_INDEX_INTERVAL bytes, and never a slice of
+    a node object (pos >= 0: at most flush_bytes). A smaller one's index would
+    name only its first batch, so it is read whole instead (with many small
+    partitions, their compactions then PUT one object each, not two)."""
+    return pos < 0 and size - HEADER_SIZE - FOOTER_SIZE > DEFAULT_INDEX_INTERVAL
 
 
 # partition, base offset and owner epoch in the key of a segment or its index
