@@ -46,7 +46,8 @@ class MemoryObjectStore:
     async def check_writable(self) -> None:
         self._call("put")
 
-    async def put(self, key: str, data: bytes | bytearray | memoryview, if_none_match: bool = True) -> None:
+    async def put(self, key: str, data: bytes | bytearray | memoryview, if_none_match: bool = True,
+                  background: bool = False) -> None:
         self._call("put")
         if if_none_match and key in self.objects:
             raise ObjectExists(key)

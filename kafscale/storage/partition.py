@@ -304,8 +304,8 @@ class PartitionLog(LogReader):
                                        seg.min_timestamp, seg.max_timestamp, key, min(m.created_ms for m in slices),
                                        {str(pid): [st.epoch, [list(b) for b in st.recent]]
                                         for pid, st in producer_states(slices).items()})
-            await self._retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, seg.data, seg.index),
-                                                                           self.cfg.s3_timeout_s))
+            await self._retry(f"upload of {key}", lambda: asyncio.wait_for(
+                self._upload(key, seg.data, seg.index, background=True), self.cfg.s3_timeout_s))
             faults.reached("mid-compaction")
 
             async def commit() -> None:
@@ -474,15 +474,16 @@ class PartitionLog(LogReader):
             if p.future is not None and not p.future.done():
                 p.future.set_result(p.base)
 
-    async def _upload(self, key: str, data: bytearray, index: bytes) -> None:
+    async def _upload(self, key: str, data: bytearray, index: bytes, background: bool = False) -> None:
         """Write both objects once (the index only if the segment has one). The
         key carries our epoch, which only this process holds, so an existing
         object is our own earlier attempt at this very segment (same bytes)
         whose reply was lost. The two PUTs run concurrently: nothing reads
-        either object before the etcd commit."""
+        either object before the etcd commit. A compaction's are background
+        writes (ObjectStore.put): nobody waits for them."""
         async def put(k: str, body: bytes | bytearray) -> None:
             try:
-                await self.store.put(k, body)
+                await self.store.put(k, body, background=background)
             except ObjectExists:
                 if await self.store.size(k) != len(body):
                     raise Fenced(f"{k} exists with other content: another writer holds epoch {self.epoch}") from None
