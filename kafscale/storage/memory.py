@@ -70,6 +70,11 @@ class MemoryObjectStore:
         self._call("list")
         return [{"Key": k, "Size": len(v)} for k, v in sorted(self.objects.items()) if k.startswith(prefix)]
 
+    async def folders(self, prefix: str) -> list[str]:
+        self._call("list")
+        return sorted({k[:k.index("/", len(prefix)) + 1] for k in self.objects
+                       if k.startswith(prefix) and "/" in k[len(prefix):]})
+
     async def delete(self, key: str) -> None:
         self._call("delete")
         self.objects.pop(key, None)

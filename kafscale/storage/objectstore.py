@@ -303,6 +303,15 @@ class ObjectStore:
             out.extend(page.get("Contents", []))
         return out
 
+    async def folders(self, prefix: str) -> list[str]:
+        """The prefixes one '/' deeper than prefix that hold objects (a LIST
+        with a delimiter: the store does not walk the objects under them)."""
+        out: list[str] = []
+        paginator = self._client.get_paginator("list_objects_v2")
+        async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
+            out.extend(p["Prefix"] for p in page.get("CommonPrefixes", []))
+        return out
+
     async def delete(self, key: str) -> None:
         await self._client.delete_object(Bucket=self.bucket, Key=key)
 

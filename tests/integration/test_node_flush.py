@@ -14,9 +14,12 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from kafscale import _native, faults
 from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
+from kafscale.metadata.store import MetaStore
+from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.scan import StoreOptions, plan, read_slice
-from kafscale.storage.wal import node_prefix
+from kafscale.storage.wal import Collector, node_prefix
 from tests.integration.clients import create_topic
+from tests.integration.s3log import S3RequestLog
 from tests.integration.test_topics_offsets import etcd_keys, s3_keys
 
 PARTITIONS = 1000
@@ -219,3 +222,38 @@ def test_sigkill_keeps_every_acknowledged_record(make_broker, stack, topic_name,
         offsets = [o for o, _ in recs]
         assert offsets == sorted(set(offsets))  # offsets unique, in order
     assert spark_read(stack, b.cluster, topic_name) == got
+
+
+def test_the_orphan_sweep_lists_and_deletes_only_gone_fences_objects(stack):
+    """Objects of a fence that is gone and that no directory names are
+    deleted; a live fence's objects are kept, and its prefix is never listed
+    (a LIST of every node object would hold up the store)."""
+    namespace = f"sweep{random.randrange(1 << 30)}"
+    root = node_prefix(namespace)
+    log = S3RequestLog(stack.s3_port)
+
+    async def run() -> tuple[list[str], list[str]]:
+        meta = MetaStore(stack.etcd_endpoint, cluster=namespace)
+        await meta.start()
+        store = ObjectStore(stack.bucket, log.url, access_key=DEV_ACCESS_KEY, secret_key=DEV_SECRET_KEY)
+        try:
+            await store.start()
+            lease = await meta.register_broker(1, "127.0.0.1", 1, ttl=30)
+            await meta.create_fence("1-live", lease)
+            for key in (f"{root}1-live/000000000001.kfn", f"{root}2-gone/000000000001.kfn",
+                        f"{root}2-gone/000000000002.kfn", f"{namespace}/orders/0/00000000000000000000-1.kfs"):
+                await store.put(key, b"x")
+            await Collector(meta, store, namespace, orphan_age_s=0).run()
+            lists = [t for m, t, _, _ in log.timeline if m == "GET" and "list-type=2" in t]
+            return sorted(o["Key"] for o in await store.list(f"{namespace}/")), lists
+        finally:
+            await store.close()
+            await meta.close()
+
+    try:
+        left, lists = asyncio.run(run())
+    finally:
+        log.close()
+    assert left == [f"{namespace}/orders/0/00000000000000000000-1.kfs", f"{root}1-live/000000000001.kfn"]
+    # the fences' prefixes (with a delimiter: not walking the objects), then the gone fence's objects alone
+    assert len(lists) == 2 and "delimiter=" in lists[0] and "2-gone" in lists[1], lists
