@@ -193,6 +193,8 @@ def latencies(bootstrap: str, topic: str, n: int = 500, gap_s: float = 0.01) -> 
     sends each record at once (linger.ms=0): the linger measured against is
     the broker's, which gathers records into a segment."""
     p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 0})
+    p.produce(topic, value=b"warm-up")  # connected first: the client's connecting is not the broker's latency
+    p.flush(60)
     out: list[float] = []
     value = os.urandom(1024)
     for _ in range(n):
