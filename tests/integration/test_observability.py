@@ -55,10 +55,18 @@ def test_metrics_merge_every_process_and_report_group_lag(make_broker, topic_nam
     c.close()
 
     assert get(f"http://{admin}/metrics")[0] == 200
-    # the workers' request and byte counters reach the metrics files within 0.1 s (metrics.Tally)
-    wait_for(lambda: total(samples(get(f"http://{admin}/metrics")[1]), "kafscale_fetch_bytes_total") >= 60 * 100,
-             5, "the Fetch bytes counted")
-    smp = samples(get(f"http://{admin}/metrics")[1])
+    # the workers' request and byte counters reach the metrics files within 0.1 s (metrics.Tally), and each
+    # process samples its loop's lag every 0.1 s (the second worker may start after the test's requests)
+    scraped: list[dict] = []
+
+    def counted() -> bool:
+        scraped[:] = [samples(get(f"http://{admin}/metrics")[1])]
+        lagged = {lab["process"] for lab, v in scraped[0].get("kafscale_event_loop_lag_seconds_count", []) if v}
+        return (total(scraped[0], "kafscale_fetch_bytes_total") >= 60 * 100
+                and total(scraped[0], "kafscale_produce_bytes_total") >= 100 * 100 and lagged == {"log", "0", "1"})
+
+    wait_for(counted, 5, "the bytes counted and every process's loop lag sampled")
+    smp = scraped[0]
     assert total(smp, "kafscale_requests_total", api="Produce") >= 1
     assert total(smp, "kafscale_requests_total", api="Fetch") >= 1
     assert total(smp, "kafscale_requests_total", api="OffsetCommit") == 1, "forwarded requests count once"
