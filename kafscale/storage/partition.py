@@ -129,8 +129,7 @@ class PartitionLog(LogReader):
         self.epoch, self._state_raw = state.epoch, raw
         self.hw = self.next_offset = self.checkpoint = state.hw
         self.log_start = state.log_start
-        segments = ([m for m in await self.meta.list_segments(self.topic, self.partition) if m.last < self.hw]
-                    if self.hw else [])  # none committed below a checkpoint of 0 (a new partition): nothing to read
+        segments = [m for m in await self.meta.list_segments(self.topic, self.partition) if m.last < self.hw]
         if self.node is not None:  # and the slices committed since the checkpoint, in node objects
             _, wal, topic_id = self.node
             tail = continuing(await wal.slices(topic_id, self.partition, claimed_at), self.hw,
@@ -141,8 +140,7 @@ class PartitionLog(LogReader):
         self._producers = producer_states(self.segments)
         if self.node is None:
             self._flusher = asyncio.create_task(self._flush_loop(), name=f"flush {self.topic}/{self.partition}")
-        if self.epoch > 1:  # the first owner of a partition follows nobody whose uploads could be left
-            self._sweeper = asyncio.create_task(self._sweep_orphans(), name=f"sweep {self.topic}/{self.partition}")
+        self._sweeper = asyncio.create_task(self._sweep_orphans(), name=f"sweep {self.topic}/{self.partition}")
         log.info("opened %s/%d epoch=%d hw=%d segments=%d", self.topic, self.partition, self.epoch, self.hw,
                  len(self.segments))
 
