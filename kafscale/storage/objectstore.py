@@ -246,7 +246,8 @@ class ObjectStore:
         and the PUTs that acknowledge producers must not wait behind it."""
         with metrics.s3_call("put"):
             if background and len(data) > MIN_PART:
-                await self._put_multipart(key, data, if_none_match, -(-len(data) // (len(data) // MIN_PART)), 1)
+                parts = len(data) // MIN_PART  # the rest shared out: no part below MIN_PART
+                await self._put_multipart(key, data, if_none_match, -(-len(data) // parts), 1)
             elif len(data) > self.multipart_threshold:
                 await self._put_multipart(key, data, if_none_match, self.part_size, self.part_concurrency)
             else:
@@ -297,19 +298,19 @@ class ObjectStore:
         return (await self._client.head_object(Bucket=self.bucket, Key=key))["ContentLength"]
 
     async def list(self, prefix: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        paginator = self._client.get_paginator("list_objects_v2")
-        async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
-            out.extend(page.get("Contents", []))
-        return out
+        return await self._listing(prefix, "Contents")
 
     async def folders(self, prefix: str) -> list[str]:
         """The prefixes one '/' deeper than prefix that hold objects (a LIST
         with a delimiter: the store does not walk the objects under them)."""
-        out: list[str] = []
+        return [p["Prefix"] for p in await self._listing(prefix, "CommonPrefixes", Delimiter="/")]
+
+    async def _listing(self, prefix: str, field: str, **extra: str) -> list[dict[str, Any]]:
+        """One field of every page of a ListObjectsV2 of prefix."""
+        out: list[dict[str, Any]] = []
         paginator = self._client.get_paginator("list_objects_v2")
-        async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
-            out.extend(p["Prefix"] for p in page.get("CommonPrefixes", []))
+        async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, **extra):
+            out.extend(page.get(field, []))
         return out
 
     async def delete(self, key: str) -> None:
