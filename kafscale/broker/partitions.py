@@ -37,6 +37,11 @@ COMPACTION_MEMORY_SEGMENTS = 2  # compactions under way hold at most this many s
 # compactions under way at once: partitions opened together fall due together, and compacting a hundred at once
 # queued two hundred PUTs ahead of the node flushes' (producers waited for seconds)
 COMPACTIONS_AT_ONCE = 4
+# partitions claimed at once (etcd transactions): a first produce to a 10,000-partition topic sent 10,000 claims
+# together, and the broker's lease refresh, queued behind them, came after the lease's TTL (the broker lost every
+# partition). Only the claims wait for a slot: the reads that follow share scans (WalIndex), and a scan per few
+# claims re-read every node object directory
+CLAIMS_AT_ONCE = 32
 
 
 class PartitionRegistry:
@@ -53,6 +58,7 @@ class PartitionRegistry:
         self.logs: dict[TopicPartition, PartitionLog] = {}
         self._opening: dict[TopicPartition, asyncio.Future[PartitionLog]] = {}
         self._open_tasks: set[asyncio.Future[PartitionLog]] = set()  # open_soon's, referenced until done
+        self._claim_slots = asyncio.Semaphore(CLAIMS_AT_ONCE)
         self.topics = TopicCache()
         self.lease: Any = None  # our etcd lease: partition ownership hangs on it
         self.closing = False  # shutting down: no partition is opened any more
@@ -162,27 +168,11 @@ class PartitionRegistry:
         pending = self._opening.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
-        if self.closing:
-            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"broker {self.cfg.node_id} is shutting down")
-        if self._refencing:
-            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"broker {self.cfg.node_id} is taking a new fence")
-        desired = self.cluster.desired_owner(topic, p)
-        if desired != self.cfg.node_id:
-            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} belongs on broker {desired}")
+        self._may_open(topic, p)
         fut: asyncio.Future[PartitionLog] = asyncio.get_running_loop().create_future()
         self._opening[key] = fut
         try:
-            if not await self.meta.claim_owner(topic, p, self.cfg.node_id, self.lease):
-                owner = await self.meta.owner_of(topic, p)
-                raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} is still owned by broker {owner}")
-            meta = self.topics.get(topic) or await self.topic(topic)
-            if meta is None:
-                raise KeyError(topic)
-            node = (self.flusher, self.wal, meta.id) if self.flusher is not None else None
-            lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self.read_budget,
-                              lambda lg, m: self.on_change(lg, m), node)
-            self._configure(lg, meta)
-            await lg.open()
+            lg = await self._open(topic, p)
             self.logs[key] = lg
             fut.set_result(lg)
             return lg
@@ -203,6 +193,33 @@ class PartitionRegistry:
             raise err from exc
         finally:
             del self._opening[key]
+
+    def _may_open(self, topic: str, p: int) -> None:
+        if self.closing:
+            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"broker {self.cfg.node_id} is shutting down")
+        if self._refencing:
+            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"broker {self.cfg.node_id} is taking a new fence")
+        desired = self.cluster.desired_owner(topic, p)
+        if desired != self.cfg.node_id:
+            raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} belongs on broker {desired}")
+
+    async def _open(self, topic: str, p: int) -> PartitionLog:
+        """Claim the partition on our lease (when a claim slot is free) and open its log."""
+        meta = self.topics.get(topic) or await self.topic(topic)
+        if meta is None:
+            raise KeyError(topic)
+        node = (self.flusher, self.wal, meta.id) if self.flusher is not None else None
+        lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self.read_budget,
+                          lambda lg, m: self.on_change(lg, m), node)
+        self._configure(lg, meta)
+        async with self._claim_slots:
+            self._may_open(topic, p)  # still, after waiting for a slot
+            if not await self.meta.claim_owner(topic, p, self.cfg.node_id, self.lease):
+                owner = await self.meta.owner_of(topic, p)
+                raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} is still owned by broker {owner}")
+            await lg.claim()
+        await lg.load()
+        return lg
 
     async def release_partition(self, topic: str, p: int, lg: PartitionLog, drain_s: float = 10) -> None:
         self.logs.pop((topic, p), None)

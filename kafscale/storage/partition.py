@@ -119,20 +119,33 @@ class PartitionLog(LogReader):
         self._producers: dict[int, _ProducerState] = {}
         self._producers_pruned_ms = 0
         self.closed = False
+        self._claimed_at = 0.0  # time.monotonic() of the claim: the slices read after must be from a later scan
         self._on_change = on_change  # a segment committed (with it), the log start moved or the log closed
 
     # ------------------------------------------------------------------ life
     async def open(self) -> None:
+        await self.claim()
+        await self.load()
+
+    async def claim(self) -> None:
+        """Take the partition with a new epoch (the first half of open)."""
         self.fence = self.node[0].fence if self.node else ""  # node flushes: only under this fence
         state, raw = await self.meta.claim_partition(self.topic, self.partition, self.cfg.node_id, self.fence)
-        claimed_at = time.monotonic()
+        self._claimed_at = time.monotonic()
         self.epoch, self._state_raw = state.epoch, raw
         self.hw = self.next_offset = self.checkpoint = state.hw
         self.log_start = state.log_start
-        segments = [m for m in await self.meta.list_segments(self.topic, self.partition) if m.last < self.hw]
-        if self.node is not None:  # and the slices committed since the checkpoint, in node objects
+
+    async def load(self) -> None:
+        """Read the claimed partition's segments and slices and start serving (the
+        second half of open). The first claim of a partition (epoch 1: its key did
+        not exist) reads nothing and sweeps nothing: nobody wrote to it before."""
+        first = self.epoch == 1
+        segments = [] if first else [m for m in await self.meta.list_segments(self.topic, self.partition)
+                                     if m.last < self.hw]
+        if self.node is not None and not first:  # and the slices committed since the checkpoint, in node objects
             _, wal, topic_id = self.node
-            tail = continuing(await wal.slices(topic_id, self.partition, claimed_at), self.hw,
+            tail = continuing(await wal.slices(topic_id, self.partition, self._claimed_at), self.hw,
                               f"{self.topic}/{self.partition}")
             segments += tail
             self.hw = self.next_offset = tail[-1].last + 1 if tail else self.hw
@@ -140,7 +153,8 @@ class PartitionLog(LogReader):
         self._producers = producer_states(self.segments)
         if self.node is None:
             self._flusher = asyncio.create_task(self._flush_loop(), name=f"flush {self.topic}/{self.partition}")
-        self._sweeper = asyncio.create_task(self._sweep_orphans(), name=f"sweep {self.topic}/{self.partition}")
+        if not first:  # else nobody's uploads can be left
+            self._sweeper = asyncio.create_task(self._sweep_orphans(), name=f"sweep {self.topic}/{self.partition}")
         log.info("opened %s/%d epoch=%d hw=%d segments=%d", self.topic, self.partition, self.epoch, self.hw,
                  len(self.segments))
 

@@ -222,3 +222,48 @@ def test_the_collector_keeps_an_object_of_a_partition_claimed_during_its_pass():
         await flusher.stop()
 
     run(go())
+
+
+def test_a_first_claim_reads_nothing_and_a_later_owner_finds_every_slice():
+    """A partition's first claim (epoch 1) reads no segment keys and scans no
+    node object directories: nobody wrote to it before (a new 10,000-partition
+    topic opened with 10,000 of each). The next owner reads both and continues
+    after every acknowledged record."""
+    async def go():
+        n = Node()
+        meta = await n.meta.create_topic(TOPIC, 1, {})
+        flusher = NodeFlusher(n.cfg, n.store, n.meta, lambda _t: meta.id, lambda _f: asyncio.sleep(0))
+        await flusher.start(await n.etcd.lease(60))
+        wal = WalIndex(n.meta)
+        reads = {"segments": 0, "scans": 0}
+        real_segments, real_read = n.meta.list_segments, wal._read
+
+        async def list_segments(topic: str, p: int):
+            reads["segments"] += 1
+            return await real_segments(topic, p)
+
+        async def scan():
+            reads["scans"] += 1
+            return await real_read()
+
+        n.meta.list_segments = list_segments  # type: ignore[method-assign]
+        wal._read = scan  # type: ignore[method-assign]
+
+        def owner() -> PartitionLog:
+            return PartitionLog(TOPIC, 0, n.cfg, n.store, n.meta, DictCache(), ReadBudget(64 << 20),
+                                lambda _lg, _m: None, (flusher, wal, meta.id))
+
+        first = owner()
+        await first.open()
+        assert first.epoch == 1 and reads == {"segments": 0, "scans": 0}, "the first owner looked for nothing"
+        assert await asyncio.gather(append(first, batch(b"a")), append(first, batch(b"b"))) == [0, 1]
+        await first.close()
+        again = owner()
+        await again.open()
+        assert reads == {"segments": 1, "scans": 1}, "the second owner looked"
+        assert (again.epoch, again.hw) == (2, 2)
+        assert await append(again, batch(b"c")) == 2
+        await again.close()
+        await flusher.stop()
+
+    run(go())

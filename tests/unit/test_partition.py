@@ -162,6 +162,8 @@ def test_a_fenced_owner_acknowledges_nothing_and_its_orphans_are_swept():
     async def go():
         c = Cluster()
         old = await c.open(node_id=1)
+        await asyncio.sleep(0.1)
+        assert c.store.requests["list"] == 0, "a first owner (epoch 1) has nobody's orphans to look for"
         assert await append(old, batch(b"kept")) == 0
         c.store.fail_next("put", 1)  # the next upload takes a retry: the new owner claims meanwhile
         fut = append(old, batch(b"lost"))
@@ -174,6 +176,7 @@ def test_a_fenced_owner_acknowledges_nothing_and_its_orphans_are_swept():
         await new.close()
         again = await c.open(node_id=3)  # its sweep removes what no manifest names
         await asyncio.sleep(0.2)
+        assert c.store.requests["list"] == 2, "the later owners each looked"
         named = {m.key for m in await c.meta.list_segments(TOPIC, 0)}
         assert {k for k in c.store.objects if k.endswith(".kfs")} == named
         assert await append(again, batch(b"after")) == 1
