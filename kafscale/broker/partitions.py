@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,8 +35,8 @@ log = logging.getLogger(__name__)
 
 COMPACTION_CHECK_S = 1.0  # how often open partitions are checked for slices due for compaction
 COMPACTION_MEMORY_SEGMENTS = 2  # compactions under way hold at most this many segment.bytes (slices read + built)
-# compactions under way at once: partitions opened together fall due together, and compacting a hundred at once
-# queued two hundred PUTs ahead of the node flushes' (producers waited for seconds)
+# compactions under way at once: compacting a hundred at once queued two hundred PUTs ahead of the node flushes'
+# (producers waited for seconds)
 COMPACTIONS_AT_ONCE = 4
 # partitions claimed at once (etcd transactions): a first produce to a 10,000-partition topic sent 10,000 claims
 # together, and the broker's lease refresh, queued behind them, came after the lease's TTL (the broker lost every
@@ -324,16 +325,22 @@ class PartitionRegistry:
             await asyncio.sleep(1)
 
     async def compaction_loop(self) -> None:
-        """Node flushes: compact the partitions whose slices are due (a few at a time)."""
+        """Node flushes: compact the partitions whose slices are due, oldest
+        first, a few at a time, their starts spread out: each second starts
+        the due ones' share of half the compaction lag, evenly over the second.
+        Partitions opened together fall due together, and compacting all at
+        once held every producer's acknowledgement for up to 400 ms every
+        compaction_lag_ms (100 partitions)."""
         limit = COMPACTION_MEMORY_SEGMENTS * self.cfg.segment_bytes
         free = [limit]
         freed = asyncio.Condition()
-        at_once = asyncio.Semaphore(COMPACTIONS_AT_ONCE)
+        slots = asyncio.Semaphore(COMPACTIONS_AT_ONCE)
+        running: dict[PartitionLog, asyncio.Task[None]] = {}
+        spread = max(self.cfg.compaction_lag_ms / 2000 / COMPACTION_CHECK_S, 1)  # checks to start the due ones in
 
         async def compact(lg: PartitionLog) -> None:
-            """Up to COMPACTIONS_AT_ONCE compactions run at once while the memory
-            they hold fits in `limit` (one always may)."""
-            async with at_once:
+            """Holds a slot; waits while the memory compactions hold would not fit in `limit` (one always may)."""
+            try:
                 need = min(2 * lg.compaction_bytes(), limit)
                 async with freed:
                     await freed.wait_for(lambda: free[0] >= need)
@@ -346,12 +353,30 @@ class PartitionRegistry:
                     async with freed:
                         free[0] += need
                         freed.notify_all()
+            finally:
+                slots.release()
+                del running[lg]
 
-        while True:
-            await asyncio.sleep(COMPACTION_CHECK_S)
-            now_ms = int(time.time() * 1000)
-            due = [lg for lg in self.logs.values() if not lg.closed and lg.compaction_due(now_ms)]
-            await asyncio.gather(*(compact(lg) for lg in due))
+        try:
+            while True:
+                now_ms = int(time.time() * 1000)
+                due = sorted((lg for lg in self.logs.values()
+                              if lg not in running and not lg.closed and lg.compaction_due(now_ms)),
+                             key=PartitionLog.oldest_slice_ms)
+                if not due:
+                    await asyncio.sleep(COMPACTION_CHECK_S)
+                    continue
+                n = min(len(due), math.ceil(len(due) / spread))
+                for lg in due[:n]:
+                    await slots.acquire()
+                    if lg.closed:
+                        slots.release()
+                    else:
+                        running[lg] = asyncio.create_task(compact(lg), name=f"compact {lg.topic}/{lg.partition}")
+                    await asyncio.sleep(COMPACTION_CHECK_S / n)
+        finally:
+            for task in running.values():
+                task.cancel()
 
     async def collection_loop(self) -> None:
         """Every half compaction_lag_ms, forget the node objects whose slices are

@@ -285,6 +285,11 @@ class PartitionLog(LogReader):
         return bool(slices) and (slices[0].created_ms <= now_ms - self.cfg.compaction_lag_ms
                                  or sum(m.size for m in slices) >= self.segment_bytes)
 
+    def oldest_slice_ms(self) -> int:
+        """When the oldest committed slice was created (0 with none)."""
+        slices = self._slices()
+        return slices[0].created_ms if slices else 0
+
     def _to_compact(self) -> list[SegmentManifest]:
         """The committed slices the next compaction takes: oldest first, up to segment.bytes."""
         slices: list[SegmentManifest] = []

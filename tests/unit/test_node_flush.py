@@ -267,3 +267,40 @@ def test_a_first_claim_reads_nothing_and_a_later_owner_finds_every_slice():
         await flusher.stop()
 
     run(go())
+
+
+def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch):
+    """Partitions that fall due together are not compacted all at once: each
+    check starts the due ones' share of half the compaction lag, evenly
+    spread, oldest first."""
+    import time
+
+    from kafscale.broker import partitions as registry
+
+    monkeypatch.setattr(registry, "COMPACTION_CHECK_S", 0.02)
+
+    async def go():
+        n = Node()
+        n.cfg = Config(node_id=1, namespace="unit", linger_ms=1, node_flush=True, compaction_lag_ms=200)
+        await n.meta.create_topic(TOPIC, 10, {})
+        reg = registry.PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
+        await reg.start(await n.etcd.lease(60))
+        logs = [await reg.partition_log(TOPIC, p) for p in range(10)]
+        for lg in reversed(logs):  # partition 9's slice is the oldest
+            await append(lg, batch(b"x"))
+            await asyncio.sleep(0.003)
+        started: list[tuple[float, int]] = []
+        for lg in logs:
+            async def compact(lg=lg, real=lg.compact) -> None:
+                started.append((time.monotonic(), lg.partition))
+                await real()
+            lg.compact = compact  # type: ignore[method-assign]
+        loop = asyncio.create_task(reg.compaction_loop())
+        await n.until(lambda: all(lg.oldest_slice_ms() == 0 for lg in logs))
+        loop.cancel()
+        assert [p for _, p in started] == list(range(9, -1, -1)), "oldest first, each once"
+        # spread over half the lag (5 checks of 0.02 s): two per check, not ten in the first
+        assert started[-1][0] - started[0][0] >= 0.06, [round(t - started[0][0], 3) for t, _ in started]
+        await reg.close(drain_s=1)
+
+    run(go())
