@@ -304,3 +304,39 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
         await reg.close(drain_s=1)
 
     run(go())
+
+
+def test_partitions_opened_all_at_once_are_claimed_a_bounded_number_at_a_time(monkeypatch):
+    """A first produce to a large topic opens every partition at once; their
+    claims (etcd transactions) go a few at a time: 10,000 at once queued the
+    broker's lease refresh past its TTL."""
+    from kafscale.broker import partitions as registry
+
+    monkeypatch.setattr(registry, "CLAIMS_AT_ONCE", 4)
+
+    async def go():
+        n = Node()
+        await n.meta.create_topic(TOPIC, 40, {})
+        reg = registry.PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
+        await reg.start(await n.etcd.lease(60))
+        in_flight, peak = [0], [0]
+        real = n.meta.claim_owner
+
+        async def claim_owner(*args):
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+            try:
+                await asyncio.sleep(0.005)
+                return await real(*args)
+            finally:
+                in_flight[0] -= 1
+
+        n.meta.claim_owner = claim_owner  # type: ignore[method-assign]
+        for p in range(40):
+            reg.open_soon(TOPIC, p)
+        logs = await asyncio.gather(*(reg.partition_log(TOPIC, p) for p in range(40)))
+        assert peak[0] == 4, f"{peak[0]} claims at once"
+        assert sorted(lg.partition for lg in logs) == list(range(40)) and all(lg.epoch == 1 for lg in logs)
+        await reg.close(drain_s=1)
+
+    run(go())
