@@ -94,6 +94,10 @@ class BrokerNode:
             try:
                 asked = time.monotonic()
                 reply = await self._lease.refresh()
+                took = time.monotonic() - asked
+                if took > self.cfg.lease_ttl_s / 3:  # one more such wait and the lease may be gone
+                    log.warning("broker lease refresh took %.1f s (TTL %d s): etcd or this process is overloaded",
+                                took, self.cfg.lease_ttl_s)
                 if reply is not None and reply.TTL > 0:
                     self.broker.lease_until = asked + reply.TTL
                 else:

@@ -38,11 +38,12 @@ COMPACTION_MEMORY_SEGMENTS = 2  # compactions under way hold at most this many s
 # compactions under way at once: compacting a hundred at once queued two hundred PUTs ahead of the node flushes'
 # (producers waited for seconds)
 COMPACTIONS_AT_ONCE = 4
-# partitions claimed at once (etcd transactions): a first produce to a 10,000-partition topic sent 10,000 claims
-# together, and the broker's lease refresh, queued behind them, came after the lease's TTL (the broker lost every
-# partition). Only the claims wait for a slot: the reads that follow share scans (WalIndex); with 32 slots around
-# claim and reads, each few claims waited for a scan of their own. 32 slots opened new partitions in 13 s, 256 in
-# 10 s, and reopened them (with reads) in 47 s and 30 s, against 27 s with no bound
+# partitions claimed at once (etcd transactions in flight while a large topic opens, 10,000 at once without it).
+# Opening 10,000 new partitions that each still scanned node object directories, the lease refresh took 2-3.6 s
+# and the broker lost its lease without this bound; with it, 2-2.8 s and kept. Only the claims wait for a slot:
+# the reads that follow share scans (WalIndex); with 32 slots around claim and reads, each few claims waited for
+# a scan of their own. New partitions opened in 7.8 s with no bound, 9.2-9.5 s with 256 and 13 s with 32; after a
+# SIGKILL they reopened (with reads) in 30-32 s with 256 and 47 s with 32, 27 s before the bound
 CLAIMS_AT_ONCE = 256
 
 
