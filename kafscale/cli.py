@@ -102,7 +102,9 @@ def cmd_dev(args: argparse.Namespace) -> int:
         if not port_is_free(port):
             print(f"kafscale dev: port {port} for {what} is in use", file=sys.stderr)
             return 2
-    stack = DevStack(data_dir=args.data_dir, etcd_port=args.etcd_port, s3_port=args.s3_port)
+    admin_ports = {admin_port + i for i in range(args.brokers)} if admin_port else set()
+    stack = DevStack(data_dir=args.data_dir, etcd_port=args.etcd_port, s3_port=args.s3_port,
+                     reserved={*kafka_ports, *admin_ports})
     log.info("starting etcd on :%d and SeaweedFS S3 on :%d (data in %s)", args.etcd_port, args.s3_port,
              args.data_dir or "a temporary directory")
     stack.start()

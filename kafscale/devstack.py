@@ -96,6 +96,8 @@ class DevStack:
     # quarter as often as 256 MiB ones; SeaweedFS sizes its volume count as free disk / this
     volume_mib: int = 1024
     metrics_port: int = 0  # SeaweedFS's Prometheus /metrics (S3 requests by type)
+    # ports it must not pick for its servers (kafscale dev's brokers and consoles, which listen after it starts)
+    reserved: set[int] = field(default_factory=set)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _tmp: str | None = None
 
@@ -114,8 +116,9 @@ class DevStack:
         root = Path(self.data_dir)
         (root / "etcd").mkdir(parents=True, exist_ok=True)
         (root / "s3").mkdir(parents=True, exist_ok=True)
-        self.etcd_port = self.etcd_port or free_port()
-        self.s3_port = self.s3_port or free_port()
+        self.reserved |= {self.etcd_port, self.s3_port} - {0}
+        self.etcd_port = self.etcd_port or self._pick_port()
+        self.s3_port = self.s3_port or self._pick_port()
         try:
             self._start_etcd(root)
             self._start_seaweedfs(root)
@@ -125,8 +128,17 @@ class DevStack:
             raise
         return self
 
+    def _pick_port(self) -> int:
+        """A free port that is not reserved and that no other server of the stack
+        has (free_port may return a port again once its probe socket closed: one
+        of SeaweedFS's ports was once the Kafka port kafscale dev was given)."""
+        while (port := free_port()) in self.reserved:
+            continue
+        self.reserved.add(port)
+        return port
+
     def _start_etcd(self, root: Path) -> None:
-        peer = free_port()
+        peer = self._pick_port()
         logfile = root / "etcd.log"
         proc = _spawn([etcd_binary(), "--name", "kafscale-dev", "--data-dir", str(root / "etcd"),
                        "--listen-client-urls", f"http://127.0.0.1:{self.etcd_port}",
@@ -139,7 +151,7 @@ class DevStack:
         _wait_port(self.etcd_port, proc, "etcd", logfile)
 
     def _start_seaweedfs(self, root: Path) -> None:
-        p = {name: free_port() for name in ("master", "volume", "filer", "admin", "iceberg", "lance", "metrics",
+        p = {name: self._pick_port() for name in ("master", "volume", "filer", "admin", "iceberg", "lance", "metrics",
                                             "g_master", "g_volume", "g_filer", "g_s3", "g_admin")}
         self.metrics_port = p["metrics"]
         logfile = root / "seaweedfs.log"
