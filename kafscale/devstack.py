@@ -151,8 +151,9 @@ class DevStack:
         _wait_port(self.etcd_port, proc, "etcd", logfile)
 
     def _start_seaweedfs(self, root: Path) -> None:
-        p = {name: self._pick_port() for name in ("master", "volume", "filer", "admin", "iceberg", "lance", "metrics",
-                                            "g_master", "g_volume", "g_filer", "g_s3", "g_admin")}
+        names = ("master", "volume", "filer", "admin", "iceberg", "lance", "metrics",
+                 "g_master", "g_volume", "g_filer", "g_s3", "g_admin")
+        p = {name: self._pick_port() for name in names}
         self.metrics_port = p["metrics"]
         logfile = root / "seaweedfs.log"
         # one identity, the documented dev keys: with identities configured SeaweedFS

@@ -367,7 +367,7 @@ class PartitionRegistry:
                 if not due:
                     await asyncio.sleep(COMPACTION_CHECK_S)
                     continue
-                n = min(len(due), math.ceil(len(due) / spread))
+                n = math.ceil(len(due) / spread)  # spread >= 1: at most all of them
                 for lg in due[:n]:
                     await slots.acquire()
                     if lg.closed:
