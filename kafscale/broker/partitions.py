@@ -29,7 +29,7 @@ from kafscale.security.acl import Operation, ResourceType
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
-from kafscale.storage.wal import Collector, NodeFlusher, WalIndex
+from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, in_turns
 
 log = logging.getLogger(__name__)
 
@@ -361,9 +361,10 @@ class PartitionRegistry:
         try:
             while True:
                 now_ms = int(time.time() * 1000)
-                due = sorted((lg for lg in self.logs.values()
-                              if lg not in running and not lg.closed and lg.compaction_due(now_ms)),
-                             key=PartitionLog.oldest_slice_ms)
+                due = []
+                async for logs in in_turns(list(self.logs.values())):
+                    due += [lg for lg in logs if lg not in running and not lg.closed and lg.compaction_due(now_ms)]
+                due.sort(key=PartitionLog.oldest_slice_ms)
                 if not due:
                     await asyncio.sleep(COMPACTION_CHECK_S)
                     continue

@@ -306,6 +306,47 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
     run(go())
 
 
+def test_the_slices_counted_are_always_the_tail_of_the_segments():
+    """The compaction check reads the committed slices' count, bytes and
+    oldest from counters, not a walk: through appends, a compaction, more
+    appends, DeleteRecords and a reopen they equal what a walk finds."""
+    def walked(lg: PartitionLog) -> tuple[int, int, int]:
+        tail = []
+        for m in reversed(lg.segments):
+            if m.pos < 0:
+                break
+            tail.insert(0, m)
+        return len(tail), sum(m.size for m in tail), tail[0].created_ms if tail else 0
+
+    def counted(lg: PartitionLog) -> tuple[int, int, int]:
+        return lg._slice_count, lg._slice_bytes, lg.oldest_slice_ms()
+
+    async def go():
+        n = Node()
+        flusher, (lg, _) = await n.start()
+        for i in range(3):
+            await append(lg, batch(b"a%d" % i))
+        assert counted(lg) == walked(lg) and lg._slice_count == 3
+        assert lg.compaction_due(lg.oldest_slice_ms() + n.cfg.compaction_lag_ms)
+        assert not lg.compaction_due(lg.oldest_slice_ms() + n.cfg.compaction_lag_ms - 1)
+        await lg.compact()
+        assert counted(lg) == walked(lg) == (0, 0, 0) and not lg.compaction_due(2**62)
+        for i in range(2):
+            await append(lg, batch(b"b%d" % i))
+        assert counted(lg) == walked(lg) and lg._slice_count == 2
+        await lg.delete_records(4)  # the compacted segment and the first slice go
+        assert counted(lg) == walked(lg) and lg._slice_count == 1
+        await lg.close()
+        again = PartitionLog(TOPIC, 0, n.cfg, n.store, n.meta, DictCache(), ReadBudget(64 << 20),
+                             lambda _lg, _m: None, lg.node)
+        await again.open()
+        assert counted(again) == walked(again) and again._slice_count >= 1
+        await again.close()
+        await flusher.stop()
+
+    run(go())
+
+
 def test_partitions_opened_all_at_once_are_claimed_a_bounded_number_at_a_time(monkeypatch):
     """A first produce to a large topic opens every partition at once; their
     claims (etcd transactions) go a few at a time: 10,000 at once queued the
