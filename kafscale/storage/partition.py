@@ -370,8 +370,10 @@ class PartitionLog(LogReader):
 
     async def release_fence(self) -> None:
         """Handing over with nothing in flight: clear our fence from the partition's
-        state, so that the next owner's claim does not fence the whole node."""
-        async with self._commit_lock:
+        state, so that the next owner's claim does not fence the whole node.
+        A compaction under way finishes first (the log is closed, so no other
+        starts): its commit, after ours, would put the fence back."""
+        async with self._compacting, self._commit_lock:
             new_state = PartitionState(self.cfg.node_id, self.epoch, self.checkpoint, self.log_start, "")
             self._state_raw = await self.meta.set_log_start(self.topic, self.partition, self._state_raw,
                                                             new_state, [])

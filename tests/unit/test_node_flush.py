@@ -347,6 +347,38 @@ def test_the_slices_counted_are_always_the_tail_of_the_segments():
     run(go())
 
 
+def test_a_compaction_under_way_at_a_hand_over_does_not_put_the_fence_back():
+    """A partition handed over while its compaction uploads: the fence is
+    cleared after the compaction commits, never before (the compaction's
+    commit would put it back, and the next owner's claim would then fence
+    every partition of the node)."""
+    async def go():
+        n = Node()
+        flusher, (lg, _) = await n.start()
+        await append(lg, batch(b"a"))
+        gate, real_put = asyncio.Event(), n.store.put
+
+        async def put(key: str, *args, **kwargs):
+            if key.endswith(".kfs"):  # the compacted segment, not a node object
+                await gate.wait()
+            return await real_put(key, *args, **kwargs)
+
+        n.store.put = put  # type: ignore[method-assign]
+        compaction = asyncio.create_task(lg.compact())
+        await asyncio.sleep(0.01)
+        await lg.close()
+        release = asyncio.create_task(lg.release_fence())
+        await asyncio.sleep(0.01)
+        assert not release.done(), "the release waits for the compaction"
+        gate.set()
+        await asyncio.gather(compaction, release)
+        state = (await n.meta.partition_states())[(TOPIC, 0)]
+        assert (state.fence, state.hw) == ("", 1), "compacted, then released"
+        await flusher.stop()
+
+    run(go())
+
+
 def test_partitions_opened_all_at_once_are_claimed_a_bounded_number_at_a_time(monkeypatch):
     """A first produce to a large topic opens every partition at once; their
     claims (etcd transactions) go a few at a time: 10,000 at once queued the
