@@ -376,9 +376,10 @@ class PartitionRegistry:
                     else:
                         running[lg] = asyncio.create_task(compact(lg), name=f"compact {lg.topic}/{lg.partition}")
                     await asyncio.sleep(COMPACTION_CHECK_S / n)
-        finally:
-            for task in running.values():
-                task.cancel()
+        finally:  # the running ones finish (one of a log closed meanwhile commits nothing): one cancelled
+            # in its commit left the partition key unknown, and the partition's hand-over then failed
+            if running:
+                await asyncio.wait(list(running.values()))
 
     async def collection_loop(self) -> None:
         """Every half compaction_lag_ms, forget the node objects whose slices are

@@ -349,6 +349,9 @@ class PartitionLog(LogReader):
             await self._retry(f"upload of {key}", lambda: asyncio.wait_for(
                 self._upload(key, seg.data, seg.index, background=True), self.cfg.s3_timeout_s))
             faults.reached("mid-compaction")
+            if self.closed:  # handed over or fenced meanwhile: the slices stay for the next owner to compact
+                await self._delete_objects([manifest], "a compaction of a closed log")
+                return
 
             async def commit() -> None:
                 async with self._commit_lock:

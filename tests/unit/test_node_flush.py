@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kafscale import _native
 from kafscale.broker.cluster import Cluster, rendezvous
 from kafscale.config import Config
@@ -347,23 +349,32 @@ def test_the_slices_counted_are_always_the_tail_of_the_segments():
     run(go())
 
 
-def test_a_compaction_under_way_at_a_hand_over_does_not_put_the_fence_back():
-    """A partition handed over while its compaction uploads: the fence is
-    cleared after the compaction commits, never before (the compaction's
-    commit would put it back, and the next owner's claim would then fence
-    every partition of the node)."""
+@pytest.mark.parametrize("closed_during", ["upload", "commit"])
+def test_a_compaction_under_way_at_a_hand_over_does_not_put_the_fence_back(closed_during):
+    """A partition handed over while its compaction uploads or commits: the
+    fence is cleared after the compaction ends, never before (a compaction
+    committing after the clear put the fence back, and the next owner's claim
+    then fenced every partition of the node). Closed during the upload, the
+    compaction commits nothing and deletes its segment; closed during the
+    commit, the commit lands first."""
     async def go():
         n = Node()
         flusher, (lg, _) = await n.start()
         await append(lg, batch(b"a"))
-        gate, real_put = asyncio.Event(), n.store.put
+        gate, real_put, real_commit = asyncio.Event(), n.store.put, n.meta.commit_segment
 
         async def put(key: str, *args, **kwargs):
-            if key.endswith(".kfs"):  # the compacted segment, not a node object
+            if key.endswith(".kfs") and closed_during == "upload":  # the compacted segment
                 await gate.wait()
             return await real_put(key, *args, **kwargs)
 
+        async def commit_segment(*args, **kwargs):
+            if closed_during == "commit":
+                await gate.wait()
+            return await real_commit(*args, **kwargs)
+
         n.store.put = put  # type: ignore[method-assign]
+        n.meta.commit_segment = commit_segment  # type: ignore[method-assign]
         compaction = asyncio.create_task(lg.compact())
         await asyncio.sleep(0.01)
         await lg.close()
@@ -373,7 +384,9 @@ def test_a_compaction_under_way_at_a_hand_over_does_not_put_the_fence_back():
         gate.set()
         await asyncio.gather(compaction, release)
         state = (await n.meta.partition_states())[(TOPIC, 0)]
-        assert (state.fence, state.hw) == ("", 1), "compacted, then released"
+        compacted = closed_during == "commit"
+        assert (state.fence, state.hw) == ("", 1 if compacted else 0)
+        assert any(k.endswith(".kfs") for k in n.store.objects) == compacted
         await flusher.stop()
 
     run(go())
