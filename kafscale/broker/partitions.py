@@ -272,11 +272,12 @@ class PartitionRegistry:
 
     async def hand_over_misplaced(self) -> None:
         """Release (after flushing) the partitions another broker should have now."""
-        for (topic, p), lg in list(self.logs.items()):
-            desired = self.cluster.desired_owner(topic, p)
-            if desired != self.cfg.node_id:
-                log.info("handing %s/%d over to broker %d", topic, p, desired)
-                await self.release_partition(topic, p, lg)
+        async for logs in in_turns(list(self.logs.items())):
+            for (topic, p), lg in logs:
+                desired = self.cluster.desired_owner(topic, p)
+                if desired != self.cfg.node_id and self.logs.get((topic, p)) is lg:
+                    log.info("handing %s/%d over to broker %d", topic, p, desired)
+                    await self.release_partition(topic, p, lg)
 
     async def drop_all(self, new_lease: Any) -> None:
         """Our lease expired (we were paused or cut off): whatever we owned may

@@ -175,6 +175,7 @@ def name_of(part: bytes | str) -> str:
 
 TXN_MAX_OPS = 128  # etcd's default --max-txn-ops
 SCAN_PAGE = 1000  # keys per etcd range read in MetaStore.scan
+SCAN_TURN = 100  # keys MetaStore.scan hands out before it lets other work run
 WAL_SCAN_PAGE = 50  # node object directories are larger: fewer per range read
 WAL_GETS = 32  # more new directories than this are read by a scan, not one get each
 CAS_ATTEMPTS = 50  # a compare-and-swap that keeps losing to other writers gives up after this many tries
@@ -266,12 +267,16 @@ class MetaStore:
     async def scan(self, prefix: bytes, keys_only: bool = False, page: int = SCAN_PAGE) -> AsyncIterator[Any]:
         """Every key-value under prefix, read in pages of `page` keys at one
         revision: a range that grows (a partition's segment manifests, all the
-        offsets) never needs one reply larger than etcd's 4 MiB gRPC limit."""
+        offsets) never needs one reply larger than etcd's 4 MiB gRPC limit.
+        Other work runs every SCAN_TURN keys: a caller parsing a page of 1,000
+        partition states held the event loop for over 10 ms."""
         start, end, revision = prefix, prefix_range_end(prefix), 0
         while True:
             kvs, more, revision = await self.client.range_page(start, end, page, revision, keys_only)
-            for kv in kvs:
+            for i, kv in enumerate(kvs, 1):
                 yield kv
+                if i % SCAN_TURN == 0:
+                    await asyncio.sleep(0)
             if not more or not kvs:
                 return
             start = kvs[-1].key + b"\0"
