@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -281,7 +281,7 @@ class PartitionLog(LogReader):
     def set_segments(self, segments: list[SegmentManifest]) -> None:
         super().set_segments(segments)
         self._slice_count = self._slice_bytes = 0
-        self._count_slices(list(itertools.takewhile(lambda m: m.pos >= 0, reversed(segments))), 1)
+        self._count_slices(itertools.takewhile(lambda m: m.pos >= 0, reversed(segments)), 1)
 
     def add_segment(self, m: SegmentManifest) -> list[SegmentManifest]:
         replaced = super().add_segment(m)
@@ -293,7 +293,7 @@ class PartitionLog(LogReader):
         self._count_slices(self.segments[:n], -1)
         super().drop_segments(n)
 
-    def _count_slices(self, segments: list[SegmentManifest], sign: int) -> None:
+    def _count_slices(self, segments: Iterable[SegmentManifest], sign: int) -> None:
         for m in segments:
             if m.pos >= 0:
                 self._slice_count += sign
