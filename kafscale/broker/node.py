@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 
 from kafscale.adminhttp import AdminAuth, AdminServer, Check
@@ -14,7 +13,7 @@ from kafscale.broker.broker import Broker
 from kafscale.broker.logproc import LogService
 from kafscale.broker.shm import SharedArea, SharedCache
 from kafscale.config import Config
-from kafscale.lifecycle import stop_on_signals
+from kafscale.lifecycle import started, stop_on_signals
 from kafscale.metadata.store import MetaStore
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.reader import SegmentSource
@@ -143,8 +142,7 @@ async def run_log_process(cfg: Config, area: SharedArea, socket_path: str, ready
         admin = AdminServer(cfg.admin_listen, node.readiness_checks(), node.broker.group_lag,
                             console=(node.meta, cfg.cluster), auth=AdminAuth(cfg, node.meta))
         await admin.start()
-    os.write(ready_fd, b"1")
-    os.close(ready_fd)
+    started(ready_fd)
     await stop.wait()
     log.info("shutting down")
     if admin is not None:

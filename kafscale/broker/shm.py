@@ -34,7 +34,6 @@ import contextlib
 import mmap
 import sys
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 
 from kafscale import _native
 from kafscale.storage.cache import CachedSegment
@@ -126,13 +125,18 @@ class RingTracker:
         _native.atomic_store(self.ring.header, _TAIL, self._live[0][0] if self._live else self._end)
 
 
-@dataclass(frozen=True)
-class CacheRef:
-    """Where a committed segment sits in the shared cache."""
-    pos: int
-    size: int
-    bases: list[int]
-    positions: list[int]
+# Where a committed segment sits in the shared cache: (position, size, first
+# offset of each batch, byte position of each batch). A plain tuple of ints and
+# tuples of ints, which Python's cyclic collector stops tracking (an instance of
+# a class, a NamedTuple's too, stays tracked): the cache holds one for every
+# slice of a node object it has, up to hundreds of thousands.
+CacheRef = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+
+
+def _cached(data: memoryview, size: int, ref: CacheRef) -> CachedSegment:
+    pos, n, bases, positions = ref
+    off = pos % size
+    return CachedSegment(data[off:off + n], bases, positions)
 
 
 class SharedCache:
@@ -174,25 +178,22 @@ class SharedCache:
         self._head = end
         self.data[start % self.size:start % self.size + n] = seg.data
         self.refs.pop(key, None)
-        self.refs[key] = CacheRef(start, n, list(seg.bases), list(seg.positions))
+        self.refs[key] = (start, n, tuple(seg.bases), tuple(seg.positions))
         floor = self._oldest_valid()
-        while self.refs and next(iter(self.refs.values())).pos < floor:
+        while self.refs and next(iter(self.refs.values()))[0] < floor:
             self.refs.popitem(last=False)
 
     def ref(self, key: str) -> CacheRef | None:
         """Where `key` is cached, if it has not been overwritten since."""
         ref = self.refs.get(key)
-        return None if ref is None or ref.pos < self._oldest_valid() else ref
+        return None if ref is None or ref[0] < self._oldest_valid() else ref
 
     def holds(self, key: str) -> bool:
         return self.ref(key) is not None
 
     def get(self, key: str) -> CachedSegment | None:
         ref = self.ref(key)
-        if ref is None:
-            return None
-        off = ref.pos % self.size
-        return CachedSegment(self.data[off:off + ref.size], ref.bases, ref.positions)
+        return None if ref is None else _cached(self.data, self.size, ref)
 
     def drop_prefix(self, prefix: str) -> None:
         for key in [k for k in self.refs if k.startswith(prefix)]:
@@ -212,19 +213,19 @@ class CacheReader:
         _native.atomic_store(self.header, self._pin_at, NONE)
 
     def acquire(self, ref: CacheRef) -> CachedSegment | None:
-        """The segment at `ref`, pinned until release(ref.pos); None if overwritten."""
+        """The segment at `ref`, pinned until release(its position); None if overwritten."""
         if self.size == 0:
             return None
-        low = min(ref.pos, self._held[0]) if self._held else ref.pos
+        pos = ref[0]
+        low = min(pos, self._held[0]) if self._held else pos
         _native.atomic_store(self.header, self._pin_at, low)
-        if ref.pos < _native.atomic_load(self.header, _RESERVE) - self.size:
+        if pos < _native.atomic_load(self.header, _RESERVE) - self.size:
             self._publish()
             self.misses += 1
             return None
-        bisect.insort(self._held, ref.pos)
+        bisect.insort(self._held, pos)
         self.hits += 1
-        off = ref.pos % self.size
-        return CachedSegment(self.data[off:off + ref.size], ref.bases, ref.positions)
+        return _cached(self.data, self.size, ref)
 
     def release(self, pos: int) -> None:
         del self._held[bisect.bisect_left(self._held, pos)]

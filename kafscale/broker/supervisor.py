@@ -26,7 +26,7 @@ from typing import Any
 from kafscale import metrics
 from kafscale.broker.shm import SharedArea
 from kafscale.config import Config
-from kafscale.lifecycle import stop_on_signals
+from kafscale.lifecycle import started, stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,7 @@ async def _worker_main(cfg: Config, area: SharedArea, slot: int, socket_path: st
     except BaseException:
         await w.stop()
         raise
-    os.write(ready_fd, b"1")
-    os.close(ready_fd)
+    started(ready_fd)
     stop = stop_on_signals()
     log_gone = asyncio.create_task(w.run_until_log_process_exits())
     stopping = asyncio.create_task(stop.wait())

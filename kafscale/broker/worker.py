@@ -56,7 +56,7 @@ class _ViewCache:
         if seg is None:
             del self.refs[key]
             return None
-        ON_SENT.get().append(lambda: self.reader.release(ref.pos))
+        ON_SENT.get().append(lambda: self.reader.release(ref[0]))
         return seg
 
     def holds(self, key: str) -> bool:

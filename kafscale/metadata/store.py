@@ -107,11 +107,13 @@ class TopicCache:
 
 
 class _JsonRecord:
+    __slots__ = ()
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()  # type: ignore[call-overload]
 
 
-@dataclass
+@dataclass(slots=True)
 class PartitionState(_JsonRecord):
     owner: int
     epoch: int
@@ -125,7 +127,7 @@ class PartitionState(_JsonRecord):
         return (state.hw, state.log_start) if state is not None else (0, 0)
 
 
-@dataclass
+@dataclass(slots=True)
 class SegmentManifest(_JsonRecord):
     base: int
     last: int

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kafscale import _native
@@ -11,8 +12,8 @@ from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE, BuiltSegment, ope
 @dataclass
 class CachedSegment:
     data: bytes | bytearray | memoryview  # the whole .kfs object
-    bases: list[int]  # first offset of each batch
-    positions: list[int]  # byte position of each batch
+    bases: Sequence[int]  # first offset of each batch
+    positions: Sequence[int]  # byte position of each batch
     body_end: int = -1  # where the batches end (default: before the footer)
 
     def __post_init__(self) -> None:

@@ -53,7 +53,7 @@ def test_cache_serves_until_overwritten_and_never_overwrites_a_pinned_segment():
     cache.put("c", segment(3, 400))  # would wrap over "a": skipped while "a" is pinned
     assert "c" not in cache.refs and cache.skipped_pinned == 1
     assert bytes(seg.data) == bytes([1]) * 400
-    reader.release(ref_a.pos)
+    reader.release(ref_a[0])
     cache.put("c", segment(3, 400))
     assert "c" in cache.refs and "a" not in cache.refs
     assert reader.acquire(ref_a) is None  # overwritten: the worker reads S3 instead
