@@ -27,7 +27,7 @@ from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.types import TopicPartition
 from kafscale.security.acl import Operation, ResourceType
 from kafscale.storage.objectstore import ObjectStore
-from kafscale.storage.partition import LogError, PartitionLog
+from kafscale.storage.partition import LogError, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
 from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, in_turns
 
@@ -68,6 +68,7 @@ class PartitionRegistry:
         self.defaults = topic_config.Defaults(cfg)  # re-read by refresh_defaults
         self.flusher = NodeFlusher(cfg, store, meta, self._topic_id, self._fenced) if cfg.node_flush else None
         self.wal = WalIndex(meta)
+        self.sweeper = OrphanSweeper(store, cfg.namespace)
         self._refencing = False  # taking a new fence: no partition opens
         self._refence_lock = asyncio.Lock()
 
@@ -222,6 +223,7 @@ class PartitionRegistry:
                 raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{topic}/{p} is still owned by broker {owner}")
             await lg.claim()
         await lg.load()
+        self.sweeper.sweep(lg, meta.partitions)
         return lg
 
     async def release_partition(self, topic: str, p: int, lg: PartitionLog, drain_s: float = 10) -> None:
@@ -303,6 +305,7 @@ class PartitionRegistry:
         for exc in results:
             if isinstance(exc, BaseException):
                 log.warning("handing a partition over failed (its lease expiry hands it over): %r", exc)
+        await self.sweeper.close()
         if self.flusher is not None:
             await self.flusher.stop()
 

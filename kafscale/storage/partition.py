@@ -114,7 +114,6 @@ class PartitionLog(LogReader):
         self._idle = asyncio.Event()  # set while nothing is queued or being flushed
         self._idle.set()
         self._flusher: asyncio.Task[None] | None = None
-        self._sweeper: asyncio.Task[None] | None = None
         self._flushes: set[asyncio.Task[None]] = set()  # segments being uploaded or committed
         self._upload_slots = asyncio.Semaphore(MAX_UPLOADS)
         self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
@@ -141,7 +140,7 @@ class PartitionLog(LogReader):
     async def load(self) -> None:
         """Read the claimed partition's segments and slices and start serving (the
         second half of open). The first claim of a partition (epoch 1: its key did
-        not exist) reads nothing and sweeps nothing: nobody wrote to it before."""
+        not exist) reads nothing: nobody wrote to it before."""
         first = self.epoch == 1
         segments = [] if first else [m for m in await self.meta.list_segments(self.topic, self.partition)
                                      if m.last < self.hw]
@@ -155,8 +154,6 @@ class PartitionLog(LogReader):
         self._producers = producer_states(self.segments)
         if self.node is None:
             self._flusher = asyncio.create_task(self._flush_loop(), name=f"flush {self.topic}/{self.partition}")
-        if not first:  # else nobody's uploads can be left
-            self._sweeper = asyncio.create_task(self._sweep_orphans(), name=f"sweep {self.topic}/{self.partition}")
         log.info("opened %s/%d epoch=%d hw=%d segments=%d", self.topic, self.partition, self.epoch, self.hw,
                  len(self.segments))
 
@@ -167,7 +164,7 @@ class PartitionLog(LogReader):
         if drain_s > 0 and (self.node is not None or (self._flusher and not self._flusher.done())):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), drain_s)
-        tasks = [t for t in (self._flusher, self._sweeper, *self._flushes) if t is not None]
+        tasks = [t for t in (self._flusher, *self._flushes) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -176,26 +173,12 @@ class PartitionLog(LogReader):
         self.stop_reading()
         self._on_change(self, None)
 
-    async def _sweep_orphans(self) -> None:
-        """Delete the objects earlier owners uploaded but never committed (they
-        died, or were fenced, between upload and commit). Such an object's key
-        carries an older epoch and no manifest names it: its writer's commit can
-        never succeed any more (commits compare the epoch, which our claim
-        bumped), and readers only follow manifests. Committed segments are all
-        in self.segments, listed after our claim."""
+    def orphans(self, keys: list[str]) -> list[str]:
+        """Of the objects listed under this partition, those an earlier owner
+        uploaded and never committed: of an older epoch, and no manifest names
+        them (OrphanSweeper)."""
         named = {k for m in self.segments for k in (m.key, index_key(m.key))}
-        prefix = f"{self.cfg.namespace}/{self.topic}/{self.partition}/"
-        try:
-            orphans = [o["Key"] for o in await self.store.list(prefix)
-                       if o["Key"] not in named and (key_epoch(o["Key"]) or self.epoch) < self.epoch]
-            for key in orphans:
-                await self.store.delete(key)
-        except Exception as exc:  # the next owner tries again
-            log.warning("%s/%d: sweeping uncommitted objects failed: %r", self.topic, self.partition, exc)
-            return
-        if orphans:
-            log.info("%s/%d: deleted %d objects no manifest names (uploaded by earlier owners, never committed)",
-                     self.topic, self.partition, len(orphans))
+        return [k for k in keys if k not in named and (key_epoch(k) or self.epoch) < self.epoch]
 
     # --------------------------------------------------------------- produce
     def append(self, payload: memoryview, batches: list[_native.BatchInfo], want_ack: bool,
@@ -638,3 +621,84 @@ def producer_states(segments: list[SegmentManifest]) -> dict[int, _ProducerState
             st.last_ms = m.created_ms
             st.recent.extend(tuple(b) for b in batches)
     return states
+
+
+SWEEP_GATHER_S = 0.5  # partitions claimed until none came for this long are swept together,
+SWEEP_GATHER_MAX_S = 30.0  # gathered for at most this long
+LIST_PAGE = 1000  # objects per LIST request
+
+
+class OrphanSweeper:
+    """Deletes, in the background, the objects that earlier owners of the
+    partitions this node claims uploaded but never committed (they died, or
+    were fenced, between upload and commit). Such an object's key carries an
+    older epoch and no manifest names it: its writer's commit can never
+    succeed any more (commits compare the epoch, which the claim bumped), and
+    readers only follow manifests. A first claim (epoch 1) has nothing to
+    sweep. Partitions claimed together (a broker taking over another's) are
+    swept together once the claims pause: one listing of their topic's objects
+    serves them all where it takes fewer requests than one for each of them
+    (its size estimated from their segments). A LIST for each of 10,000
+    reopened partitions took a quarter of the log process's time while it
+    reopened them."""
+
+    def __init__(self, store: ObjectStore, namespace: str) -> None:
+        self.store = store
+        self.namespace = namespace
+        self._due: dict[str, tuple[int, list[PartitionLog]]] = {}  # topic -> (its partition count, logs)
+        self._task: asyncio.Task[None] | None = None
+        self._claimed = asyncio.Event()  # a partition came due since the last clear
+
+    def sweep(self, lg: PartitionLog, topic_partitions: int) -> None:
+        """Sweep a claimed partition's objects soon."""
+        if lg.epoch <= 1:
+            return
+        self._due.setdefault(lg.topic, (topic_partitions, []))[1].append(lg)
+        self._claimed.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="orphan sweep")
+
+    async def close(self) -> None:
+        self._due.clear()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while self._due:
+            await self._gather()
+            topic = next(iter(self._due))
+            partitions, logs = self._due.pop(topic)
+            prefix = f"{self.namespace}/{topic}/"
+            try:
+                per_partition = sum(2 * sum(1 for m in lg.segments if m.pos < 0) + 1 for lg in logs) / len(logs)
+                if partitions * per_partition / LIST_PAGE < len(logs):  # objects and their indexes
+                    listed: dict[str, list[str]] = {}
+                    for o in await self.store.list(prefix):
+                        listed.setdefault(o["Key"][len(prefix):].split("/", 1)[0], []).append(o["Key"])
+                    for lg in logs:
+                        await self._delete(lg, listed.get(str(lg.partition), []))
+                else:
+                    for lg in logs:
+                        await self._delete(lg, [o["Key"] for o in await self.store.list(f"{prefix}{lg.partition}/")])
+            except Exception as exc:  # their next owner tries again
+                log.warning("%s: sweeping uncommitted objects failed: %r", topic, exc)
+
+    async def _gather(self) -> None:
+        """Return once no partition came due for SWEEP_GATHER_S (or SWEEP_GATHER_MAX_S passed)."""
+        until = time.monotonic() + SWEEP_GATHER_MAX_S
+        while (left := until - time.monotonic()) > 0:
+            self._claimed.clear()
+            try:
+                await asyncio.wait_for(self._claimed.wait(), min(SWEEP_GATHER_S, left))
+            except TimeoutError:
+                return
+
+    async def _delete(self, lg: PartitionLog, keys: list[str]) -> None:
+        if lg.closed:  # handed over meanwhile: its next owner sweeps
+            return
+        orphans = lg.orphans(keys)
+        if orphans:
+            await self.store.delete_many(orphans)
+            log.info("%s/%d: deleted %d objects no manifest names (uploaded by earlier owners, never committed)",
+                     lg.topic, lg.partition, len(orphans))

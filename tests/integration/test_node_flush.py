@@ -17,6 +17,7 @@ from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
 from kafscale.metadata.store import MetaStore
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.scan import StoreOptions, plan, read_slice
+from kafscale.storage.segment import index_key, key_epoch
 from kafscale.storage.wal import Collector, node_prefix
 from tests.integration.clients import create_topic
 from tests.integration.s3log import S3RequestLog
@@ -104,6 +105,27 @@ def wal_directories(stack, cluster: str) -> list[bytes]:
 
 def count_keys(stack, cluster: str, area: str) -> int:
     return len(etcd_keys(stack, f"/kafscale/{cluster}/{area}/"))
+
+
+def unnamed_objects(stack, cluster: str, topic: str, partitions: int) -> list[tuple[str, int, int]]:
+    """The topic's objects no manifest names (uploaded, never committed), each with
+    its epoch and its partition's owner epoch now."""
+    async def run() -> tuple[set[str], dict[str, int]]:
+        meta = MetaStore(stack.etcd_endpoint, cluster=cluster)
+        await meta.start()
+        try:
+            named, epochs = set(), {}
+            for p in range(partitions):
+                named |= {k for m in await meta.list_segments(topic, p) for k in (m.key, index_key(m.key))}
+                state = await meta.get_partition(topic, p)
+                epochs[f"{cluster}/{topic}/{p}/"] = state[0].epoch if state else 0
+            return named, epochs
+        finally:
+            await meta.close()
+
+    named, epochs = asyncio.run(run())
+    return [(k, key_epoch(k) or 0, epochs[k.rsplit("/", 1)[0] + "/"])
+            for k in s3_keys(stack, f"{cluster}/{topic}/") if k not in named]
 
 
 def spark_read(stack, cluster: str, topic: str, starting: str | None = None) -> dict[bytes, tuple[int, int]]:
@@ -212,6 +234,8 @@ def test_sigkill_keeps_every_acknowledged_record(make_broker, stack, topic_name,
             time.sleep(0.01)
     p.flush(30)
     assert 0 < len(acked) < i
+    if when == "mid-compaction":  # the compaction's segment is in S3, and no manifest names it
+        assert unnamed_objects(stack, b.cluster, topic_name, partitions)
     b.config.pop("crash_at", None)
     b.start()
     served = consume_all(b.bootstrap, topic_name, partitions)
@@ -222,6 +246,11 @@ def test_sigkill_keeps_every_acknowledged_record(make_broker, stack, topic_name,
         offsets = [o for o, _ in recs]
         assert offsets == sorted(set(offsets))  # offsets unique, in order
     assert spark_read(stack, b.cluster, topic_name) == got
+    # the restarted broker, claiming every partition, deletes what earlier owners never committed
+    deadline = time.monotonic() + 30
+    while left := [o for o in unnamed_objects(stack, b.cluster, topic_name, partitions) if o[1] < o[2]]:
+        assert time.monotonic() < deadline, left
+        time.sleep(0.5)
 
 
 def test_the_orphan_sweep_lists_and_deletes_only_gone_fences_objects(stack):

@@ -16,10 +16,11 @@ from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
 from kafscale.protocol.errors import ErrorCode
+from kafscale.storage import partition
 from kafscale.storage.memory import MemoryObjectStore
-from kafscale.storage.partition import PartitionLog
+from kafscale.storage.partition import SWEEP_GATHER_S, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
-from kafscale.storage.segment import index_key
+from kafscale.storage.segment import index_key, segment_key
 
 TOPIC = "orders"
 
@@ -53,19 +54,22 @@ def batch(*values: bytes, ts: int = 1_700_000_000_000, producer: tuple[int, int,
 class Cluster:
     """One etcd and one bucket shared by the owners a test opens."""
 
-    def __init__(self) -> None:
+    def __init__(self, partitions: int = 1) -> None:
         self.etcd = MemoryEtcd()
         self.store = MemoryObjectStore()
         self.meta = MetaStore.in_memory("unit", self.etcd)
         self.changes: list[object] = []
+        self.partitions = partitions
+        self.sweeper = OrphanSweeper(self.store, "unit")  # one per node in a broker; shared here
 
-    async def open(self, node_id: int = 1, **cfg: object) -> PartitionLog:
+    async def open(self, node_id: int = 1, partition: int = 0, **cfg: object) -> PartitionLog:
         if await self.meta.get_topic(TOPIC) is None:
-            await self.meta.create_topic(TOPIC, 1, {})
+            await self.meta.create_topic(TOPIC, self.partitions, {})
         config = Config(node_id=node_id, namespace="unit", linger_ms=1, **cfg)
-        lg = PartitionLog(TOPIC, 0, config, self.store, self.meta, DictCache(), ReadBudget(64 << 20),
+        lg = PartitionLog(TOPIC, partition, config, self.store, self.meta, DictCache(), ReadBudget(64 << 20),
                           lambda _lg, m: self.changes.append(m))
         await lg.open()
+        self.sweeper.sweep(lg, self.partitions)
         return lg
 
     async def hw(self) -> int:
@@ -172,15 +176,45 @@ def test_a_fenced_owner_acknowledges_nothing_and_its_orphans_are_swept():
             await fut
         assert err.value.code == ErrorCode.NOT_LEADER_OR_FOLLOWER and old.closed
         assert await c.hw() == 1, "the old owner's commit was refused"
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(SWEEP_GATHER_S + 0.2)
         await new.close()
         again = await c.open(node_id=3)  # its sweep removes what no manifest names
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(SWEEP_GATHER_S + 0.2)
         assert c.store.requests["list"] == 2, "the later owners each looked"
         named = {m.key for m in await c.meta.list_segments(TOPIC, 0)}
         assert {k for k in c.store.objects if k.endswith(".kfs")} == named
         assert await append(again, batch(b"after")) == 1
         await again.close()
+
+    run(go())
+
+
+def test_partitions_claimed_together_are_swept_with_one_listing_of_their_topic(monkeypatch):
+    """Where one listing of the topic takes fewer requests than one per partition."""
+    async def go():
+        c = Cluster(partitions=12)
+        logs = [await c.open(node_id=1, partition=p) for p in range(12)]
+        for lg in logs:
+            assert await append(lg, batch(b"kept")) == 0
+            await lg.close()
+        orphans = {segment_key("unit", TOPIC, p, 7, 1) for p in range(12)}  # epoch 1's, never committed
+        c.store.objects.update(dict.fromkeys(orphans, b"x"))
+        c.store.objects[segment_key("unit", TOPIC + "-other", 1, 7, 1)] = b"x"  # another topic: not ours
+        named = {m.key for p in range(12) for m in await c.meta.list_segments(TOPIC, p)}
+        taken = [await c.open(node_id=2, partition=p) for p in range(6)]  # 36 objects: one listing
+        await asyncio.sleep(SWEEP_GATHER_S + 0.2)
+        assert c.store.requests["list"] == 1
+        assert {k for k in c.store.objects if k.endswith(".kfs")} == (
+            named | {segment_key("unit", TOPIC, p, 7, 1) for p in range(6, 12)}
+            | {segment_key("unit", TOPIC + "-other", 1, 7, 1)})
+        monkeypatch.setattr(partition, "LIST_PAGE", 30)  # now the topic takes 2 requests to list
+        one = await c.open(node_id=2, partition=10)  # alone: a listing of its own partition
+        await asyncio.sleep(SWEEP_GATHER_S + 0.2)
+        assert c.store.requests["list"] == 2 and segment_key("unit", TOPIC, 10, 7, 1) not in c.store.objects
+        assert segment_key("unit", TOPIC, 1, 7, 1) not in c.store.objects
+        assert segment_key("unit", TOPIC, 11, 7, 1) in c.store.objects, "not claimed: not swept"
+        for lg in [*taken, one]:
+            await lg.close()
 
     run(go())
 
