@@ -19,13 +19,14 @@ all compacted, deleted or expired. The object format is in docs/segment-format.m
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import json
 import logging
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -111,15 +112,9 @@ def slice_manifests(raw: bytes) -> tuple[str, list[tuple[str, str, int, SegmentM
 
 def by_partition(directories: list[bytes]) -> dict[tuple[str, int], list[SegmentManifest]]:
     """The slices of these directories per (topic id hex, partition), oldest first."""
-    return _grouped(slice_manifests(raw)[1] for raw in directories)
-
-
-def _grouped(directories: Iterable[list[tuple[str, str, int, SegmentManifest]]]
-             ) -> dict[tuple[str, int], list[SegmentManifest]]:
-    """Parsed directories' slices per (topic id hex, partition), oldest first."""
     out: dict[tuple[str, int], list[SegmentManifest]] = {}
-    for slices in directories:
-        for _, tid, p, m in slices:
+    for raw in directories:
+        for _, tid, p, m in slice_manifests(raw)[1]:
             out.setdefault((tid, p), []).append(m)
     for found in out.values():
         found.sort(key=lambda m: m.base)
@@ -409,26 +404,42 @@ async def retry(what: str, step: Callable[[], Awaitable[None]]) -> None:
 class WalIndex:
     """The slices of committed node objects per partition, read from etcd by
     scans that partition claims share: a claim waits for a scan that began
-    after it, so it sees every node object committed before it."""
+    after it, so it sees every node object committed before it. Scans run one
+    at a time, each reading only the directories that are new since the last
+    one and updating the slices per partition with them (regrouping every
+    slice at every scan took a seventh of the log process's time while it
+    reopened 10,000 partitions)."""
 
     def __init__(self, meta: MetaStore) -> None:
         self.meta = meta
-        self._scan: asyncio.Future[dict[tuple[str, int], list[SegmentManifest]]] | None = None
+        self._scan: asyncio.Future[None] | None = None
         self._started = 0.0
+        self._one_at_a_time = asyncio.Lock()
         self._parsed: dict[bytes, list[tuple[str, str, int, SegmentManifest]]] = {}  # wal key -> its slices
+        self._slices: dict[tuple[str, int], list[SegmentManifest]] = {}  # (topic id hex, partition) -> oldest first
 
     async def slices(self, topic_id: bytes, partition: int, claimed_at: float) -> list[SegmentManifest]:
         """The partition's slices (oldest first) from a scan that began after claimed_at (time.monotonic())."""
         if self._scan is None or self._started <= claimed_at:
             self._started = time.monotonic()
             self._scan = asyncio.ensure_future(self._read())
-        found = await asyncio.shield(self._scan)
-        return found.get((topic_id.hex(), partition), [])
+        await asyncio.shield(self._scan)
+        return list(self._slices.get((topic_id.hex(), partition), []))
 
-    async def _read(self) -> dict[tuple[str, int], list[SegmentManifest]]:
-        """The keys in one scan; only the directories not read before are read and parsed."""
-        self._parsed = await read_directories(self.meta, self._parsed, lambda raw: slice_manifests(raw)[1])
-        return _grouped(self._parsed.values())
+    async def _read(self) -> None:
+        async with self._one_at_a_time:
+            parsed = await read_directories(self.meta, self._parsed, lambda raw: slice_manifests(raw)[1])
+            forgotten = [self._parsed[k] for k in self._parsed.keys() - parsed.keys()]  # compacted since
+            gone = {m.key for slices in forgotten for *_, m in slices}
+            for tp in {(tid, p) for slices in forgotten for _, tid, p, _ in slices}:
+                if kept := [m for m in self._slices[tp] if m.key not in gone]:
+                    self._slices[tp] = kept
+                else:
+                    del self._slices[tp]
+            for k in parsed.keys() - self._parsed.keys():
+                for _, tid, p, m in parsed[k]:
+                    bisect.insort(self._slices.setdefault((tid, p), []), m, key=lambda x: x.base)
+            self._parsed = parsed
 
 
 def _summary(raw: bytes) -> tuple[str, list[tuple[str, str, int, int]]]:

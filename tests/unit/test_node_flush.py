@@ -5,6 +5,8 @@ commits and nothing it or they held is acknowledged."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import pytest
 
@@ -16,7 +18,7 @@ from kafscale.metadata.store import MetaStore
 from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
-from kafscale.storage.wal import Collector, NodeFlusher, WalIndex
+from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, by_partition
 from tests.unit.test_partition import TOPIC, DictCache, append, batch, run
 
 
@@ -424,5 +426,48 @@ def test_partitions_opened_all_at_once_are_claimed_a_bounded_number_at_a_time(mo
         assert peak[0] == 4, f"{peak[0]} claims at once"
         assert sorted(lg.partition for lg in logs) == list(range(40)) and all(lg.epoch == 1 for lg in logs)
         await reg.close(drain_s=1)
+
+    run(go())
+
+
+def test_the_wal_index_follows_the_directories_committed_and_forgotten_between_scans():
+    """Each scan reads only the directories new since the last one and drops the
+    forgotten ones' slices: a partition's slices are always those of the
+    directories committed now, oldest first, as reading all of them gives."""
+    async def go():
+        etcd = MemoryEtcd()
+        meta = MetaStore.in_memory("unit", etcd)
+        await meta.create_fence("f", await etcd.lease(60))
+        wal, tid, committed = WalIndex(meta), b"\x01" * 16, {}
+
+        async def commit(seq: int, bases: dict[int, int]) -> None:  # partition -> the base of its slice
+            committed[seq] = json.dumps({"key": f"obj{seq}", "created_ms": 0, "slices": [
+                {"topic": TOPIC, "topic_id": tid.hex(), "partition": p, "base": b, "last": b, "count": 1,
+                 "size": 1, "min_ts": 0, "max_ts": 0, "producers": {}, "pos": 0} for p, b in bases.items()]}).encode()
+            await meta.commit_wal("f", [(seq, committed[seq])])
+
+        async def forget(seq: int) -> None:
+            del committed[seq]
+            await meta.forget_wal([k for k in await meta.wal_keys() if k.endswith(b"%012d" % seq)])
+
+        async def agrees() -> None:
+            want = by_partition(list(committed.values()))
+            for p in range(3):
+                got = await wal.slices(tid, p, time.monotonic())
+                assert [(m.key, m.base) for m in got] == [(m.key, m.base) for m in want.get((tid.hex(), p), [])]
+
+        await commit(1, {0: 0, 1: 0})
+        await commit(2, {0: 1, 2: 0})
+        await agrees()
+        await commit(4, {0: 3})
+        await commit(3, {0: 2, 1: 1})  # read in the same scan as 4: still oldest first
+        await forget(1)
+        await agrees()
+        await forget(2)
+        await forget(3)
+        await commit(5, {2: 1})
+        await agrees()
+        assert [m.base for m in await wal.slices(tid, 0, time.monotonic())] == [3]
+        assert await wal.slices(tid, 1, time.monotonic()) == []
 
     run(go())
