@@ -332,12 +332,14 @@ class PartitionLog(LogReader):
             await self._retry(f"upload of {key}", lambda: asyncio.wait_for(
                 self._upload(key, seg.data, seg.index, background=True), self.cfg.s3_timeout_s))
             faults.reached("mid-compaction")
-            if self.closed:  # handed over or fenced meanwhile: the slices stay for the next owner to compact
-                await self._delete_objects([manifest], "a compaction of a closed log")
-                return
+            closed = False
 
             async def commit() -> None:
-                async with self._commit_lock:
+                nonlocal closed
+                async with self._commit_lock:  # as release_fence: after it, nothing puts our fence back
+                    if self.closed:  # handed over or fenced meanwhile: the slices stay for the next owner
+                        closed = True
+                        return
                     new_state = PartitionState(self.cfg.node_id, self.epoch, seg.last_offset + 1, self.log_start,
                                                self.fence)
                     self._state_raw = await self._commit(new_state, manifest)
@@ -350,6 +352,9 @@ class PartitionLog(LogReader):
                 self.flush_failed()
                 await self._delete_objects([manifest], "a fenced compaction")
                 return
+            if closed:
+                await self._delete_objects([manifest], "a compaction of a closed log")
+                return
             self.cache.put(manifest.ref, CachedSegment.from_built(seg))
             self.add_segment(manifest)
             self._on_change(self, manifest)
@@ -357,9 +362,10 @@ class PartitionLog(LogReader):
     async def release_fence(self) -> None:
         """Handing over with nothing in flight: clear our fence from the partition's
         state, so that the next owner's claim does not fence the whole node.
-        A compaction under way finishes first (the log is closed, so no other
-        starts): its commit, after ours, would put the fence back."""
-        async with self._compacting, self._commit_lock:
+        Under the commit lock, after a compaction's commit under way (which
+        would put the fence back after ours); a compaction still uploading
+        finds the log closed when it takes the lock, and commits nothing."""
+        async with self._commit_lock:
             new_state = PartitionState(self.cfg.node_id, self.epoch, self.checkpoint, self.log_start, "")
             self._state_raw = await self.meta.set_log_start(self.topic, self.partition, self._state_raw,
                                                             new_state, [])
