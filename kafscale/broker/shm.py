@@ -33,6 +33,7 @@ import bisect
 import contextlib
 import mmap
 import sys
+from array import array
 from collections import OrderedDict, deque
 
 from kafscale import _native
@@ -126,17 +127,20 @@ class RingTracker:
 
 
 # Where a committed segment sits in the shared cache: (position, size, first
-# offset of each batch, byte position of each batch). A plain tuple of ints and
-# tuples of ints, which Python's cyclic collector stops tracking (an instance of
-# a class, a NamedTuple's too, stays tracked): the cache holds one for every
-# slice of a node object it has, up to hundreds of thousands.
-CacheRef = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+# offset of each batch, byte position of each batch). The cache holds one for
+# every slice of a node object it has, up to hundreds of thousands, so each is
+# one object for Python's cyclic collector, which it then stops tracking: a
+# plain tuple (an instance of a class, a NamedTuple's too, stays tracked) of
+# ints and bytes (8-byte integers; bytes are no collector objects at all,
+# where each tuple, list or array would be one more allocation counted
+# towards the next young collection).
+CacheRef = tuple[int, int, bytes, bytes]
 
 
 def _cached(data: memoryview, size: int, ref: CacheRef) -> CachedSegment:
     pos, n, bases, positions = ref
     off = pos % size
-    return CachedSegment(data[off:off + n], bases, positions)
+    return CachedSegment(data[off:off + n], memoryview(bases).cast("q"), memoryview(positions).cast("q"))
 
 
 class SharedCache:
@@ -178,7 +182,7 @@ class SharedCache:
         self._head = end
         self.data[start % self.size:start % self.size + n] = seg.data
         self.refs.pop(key, None)
-        self.refs[key] = (start, n, tuple(seg.bases), tuple(seg.positions))
+        self.refs[key] = (start, n, array("q", seg.bases).tobytes(), array("q", seg.positions).tobytes())
         floor = self._oldest_valid()
         while self.refs and next(iter(self.refs.values()))[0] < floor:
             self.refs.popitem(last=False)
