@@ -471,3 +471,32 @@ def test_the_wal_index_follows_the_directories_committed_and_forgotten_between_s
         assert await wal.slices(tid, 1, time.monotonic()) == []
 
     run(go())
+
+
+def test_claims_during_a_wal_scan_share_the_next_one():
+    """A claim waits for a scan that began after it; the claims that come while
+    one scan runs all wait for the same next one, not one each."""
+    async def go():
+        etcd = MemoryEtcd()
+        meta = MetaStore.in_memory("unit", etcd)
+        wal, gate, scans = WalIndex(meta), asyncio.Event(), []
+        real = meta.wal_keys
+
+        async def wal_keys() -> list[bytes]:
+            scans.append(time.monotonic())
+            await gate.wait()
+            return await real()
+
+        meta.wal_keys = wal_keys  # type: ignore[method-assign]
+        first = asyncio.create_task(wal.slices(b"\x01" * 16, 0, time.monotonic()))
+        await asyncio.sleep(0.01)
+        later = []
+        for p in range(5):  # one after another, each after the previous one asked for a scan
+            later.append(asyncio.create_task(wal.slices(b"\x01" * 16, p, time.monotonic())))
+            await asyncio.sleep(0.002)
+        assert len(scans) == 1, "the next scan waits for the one under way"
+        gate.set()
+        await asyncio.gather(first, *later)
+        assert len(scans) == 2, "the five claims made during the first scan shared the second"
+
+    run(go())
