@@ -1,7 +1,7 @@
 """An in-memory twin of the etcd client MetaStore uses, for unit tests.
 
 It implements the calls MetaStore makes (get, put, delete, delete_range,
-transaction with version/value compares, paged ranges, leases, prefix
+transaction with version/value compares and gets, paged ranges, leases, prefix
 watches) with etcd's semantics: a transaction applies all of its operations
 or none, compares see the state at that instant, every write moves the
 revision, and keys put with a lease vanish when it is revoked or expires.
@@ -71,7 +71,7 @@ class _Target:
 
 @dataclass(frozen=True)
 class _Op:
-    kind: str  # "put" or "delete"
+    kind: str  # "put", "delete" or "get"
     key: bytes
     value: bytes = b""
     range_end: bytes | None = None
@@ -94,6 +94,10 @@ class _Transactions:
     @staticmethod
     def delete(key: bytes, range_end: bytes | None = None) -> _Op:
         return _Op("delete", key, range_end=range_end)
+
+    @staticmethod
+    def get(key: bytes) -> _Op:
+        return _Op("get", key)
 
 
 def _lease_id(lease: Any) -> int:
@@ -185,30 +189,35 @@ class MemoryEtcd:
     async def transaction(self, compare: list[_Compare], success: list[_Op],
                           failure: list[_Op]) -> tuple[bool, list[Any]]:
         self._check()
-        if max(len(success), len(failure)) > MAX_TXN_OPS:
+        if max(len(compare), len(success), len(failure)) > MAX_TXN_OPS:
             raise InvalidArgumentError("etcdserver: too many operations in txn request")
         self.txns += 1
         ok = all(c.holds(self._data.get(c.key)) for c in compare)
-        self._apply(success if ok else failure)
-        return ok, []
+        return ok, self._apply(success if ok else failure)
 
-    def _apply(self, ops: list[_Op]) -> None:
-        if not ops:
-            return
-        self.revision += 1
+    def _apply(self, ops: list[_Op]) -> list[Any]:
+        """Apply ops in order; one reply each, as aetcd's: a get's [(value, metadata)] or [], else None."""
+        if any(op.kind != "get" for op in ops):
+            self.revision += 1
+        replies: list[Any] = []
         for op in ops:
-            if op.kind == "put":
+            replies.append(None)
+            if op.kind == "get":
+                kv = self._data.get(op.key)
+                replies[-1] = [(kv.value, kv)] if kv else []
+            elif op.kind == "put":
                 old = self._data.get(op.key)
                 if op.lease and op.lease not in self._leases:
                     raise ValueError(f"lease {op.lease} not found")
                 kv = self._data[op.key] = KeyValue(op.key, bytes(op.value), (old.version if old else 0) + 1, op.lease)
                 self._notify(Event("PUT", kv))
-                continue
-            keys = [k for k in self._data if op.key <= k < op.range_end] if op.range_end else [op.key]
-            for k in keys:
-                gone = self._data.pop(k, None)
-                if gone is not None:
-                    self._notify(Event("DELETE", KeyValue(k, b"", 0, 0)))
+            else:
+                keys = [k for k in self._data if op.key <= k < op.range_end] if op.range_end else [op.key]
+                for k in keys:
+                    gone = self._data.pop(k, None)
+                    if gone is not None:
+                        self._notify(Event("DELETE", KeyValue(k, b"", 0, 0)))
+        return replies
 
     # ---------------------------------------------------------------- leases
     async def lease(self, ttl: int) -> Lease:

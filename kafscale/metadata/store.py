@@ -175,7 +175,10 @@ def name_of(part: bytes | str) -> str:
     return text.replace("%2F", "/").replace("%25", "%")
 
 
-TXN_MAX_OPS = 128  # etcd's default --max-txn-ops
+TXN_MAX_OPS = 128  # etcd's default --max-txn-ops (of compares, and of operations each way)
+# partitions one claim_partitions call claims: two compares and two puts each, plus one delete per old fence
+# named (at most one each) and the topic's compare, all within TXN_MAX_OPS
+CLAIM_BATCH = (TXN_MAX_OPS - 1) // 3
 SCAN_PAGE = 1000  # keys per etcd range read in MetaStore.scan
 SCAN_TURN = 100  # keys MetaStore.scan hands out before it lets other work run
 WAL_SCAN_PAGE = 50  # node object directories are larger: fewer per range read
@@ -482,6 +485,39 @@ class MetaStore:
                 return new, new_raw
             if await self.client.get(topic_key) is None:
                 raise KeyError(f"topic {topic} does not exist")
+
+    async def claim_partitions(self, topic: str, parts: list[int], broker_id: int, lease: Any, fence: str = ""
+                               ) -> dict[int, tuple[PartitionState, bytes]]:
+        """What claim_owner and then claim_partition do, for up to CLAIM_BATCH
+        partitions of a topic at once: one transaction reads their owner and
+        partition keys, one more owns (on our lease) and claims those nobody
+        else owns, if none of their keys moved in between and the topic still
+        exists. Returns the claimed ones' new state and raw value: none if the
+        second transaction failed, never one another broker owns. The caller
+        claims the rest one by one, which tells why."""
+        assert len(parts) <= CLAIM_BATCH
+        tx = self.client.transactions
+        me = str(broker_id).encode()
+        keys = [(self.k("owners", topic, p), self.k("partitions", topic, p)) for p in parts]
+        _, read = await self.client.transaction(compare=[], success=[tx.get(k) for pk in keys for k in pk], failure=[])
+        compare, ops, claimed = [tx.version(self.k("topics", topic)) > 0], [], {}
+        old_fences = set()
+        for p, (owner_key, key), owner, cur in zip(parts, keys, read[::2], read[1::2], strict=True):
+            if owner and owner[0][0] != me:
+                continue
+            compare.append(tx.value(owner_key) == me if owner else tx.version(owner_key) == 0)
+            state = PartitionState(**json.loads(cur[0][0])) if cur else PartitionState(-1, 0, 0, 0)
+            compare.append(tx.value(key) == cur[0][0] if cur else tx.version(key) == 0)
+            new = PartitionState(broker_id, state.epoch + 1, state.hw, state.log_start, fence)
+            claimed[p] = new, new.to_json()
+            ops += [tx.put(owner_key, me, lease=lease), tx.put(key, claimed[p][1])]
+            if state.fence and state.fence != fence:
+                old_fences.add(state.fence)
+        if not claimed:
+            return {}
+        ops += [tx.delete(self.k("fences", f)) for f in sorted(old_fences)]
+        ok, _ = await self.client.transaction(compare=compare, success=ops, failure=[])
+        return claimed if ok else {}
 
     async def commit_segment(self, topic: str, p: int, expected_raw: bytes, new_state: PartitionState,
                              manifest: SegmentManifest) -> bytes:

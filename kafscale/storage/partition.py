@@ -130,8 +130,12 @@ class PartitionLog(LogReader):
 
     async def claim(self) -> None:
         """Take the partition with a new epoch (the first half of open)."""
-        self.fence = self.node[0].fence if self.node else ""  # node flushes: only under this fence
-        state, raw = await self.meta.claim_partition(self.topic, self.partition, self.cfg.node_id, self.fence)
+        fence = self.node[0].fence if self.node else ""
+        self.claimed(*await self.meta.claim_partition(self.topic, self.partition, self.cfg.node_id, fence))
+
+    def claimed(self, state: PartitionState, raw: bytes) -> None:
+        """The partition was claimed with this state (a new epoch): start from it."""
+        self.fence = state.fence  # node flushes: only under this fence
         self._claimed_at = time.monotonic()
         self.epoch, self._state_raw = state.epoch, raw
         self.hw = self.next_offset = self.checkpoint = state.hw

@@ -37,6 +37,14 @@ async def contract(meta: MetaStore, expire) -> None:
     lease = await meta.register_broker(7, "h", 1, ttl=5)
     assert await meta.claim_owner(topic, 1, 7, lease) and not await meta.claim_owner(topic, 1, 8, lease)
     assert (await meta.owners())[(topic, 1)] == 7
+    other = await meta.register_broker(8, "h", 2, ttl=60)
+    await meta.create_fence("f8", other)
+    await meta.claim_partition(topic, 0, 8, "f8")
+    claimed = await meta.claim_partitions(topic, [0, 1], 7, lease, "f7")  # 1: ours already
+    assert {p: (s.epoch, s.owner, s.fence) for p, (s, _) in claimed.items()} == {0: (4, 7, "f7"), 1: (1, 7, "f7")}
+    assert claimed[0][1] == (await meta.get_partition(topic, 0))[1] and (await meta.owners())[(topic, 0)] == 7
+    assert "f8" not in await meta.fences(), "the earlier owner's fence is deleted"
+    assert await meta.claim_partitions(topic, [0, 1], 8, other) == {}, "both are owned by broker 7"
     await expire(lease)
     assert (topic, 1) not in await meta.owners() and 7 not in [b for b, _, _ in await meta.list_brokers()]
     await meta.delete_topic(topic)

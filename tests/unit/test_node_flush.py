@@ -394,38 +394,86 @@ def test_a_compaction_under_way_at_a_hand_over_does_not_put_the_fence_back(close
     run(go())
 
 
-def test_partitions_opened_all_at_once_are_claimed_a_bounded_number_at_a_time(monkeypatch):
+def test_partitions_opened_all_at_once_are_claimed_in_batches_a_few_at_a_time(monkeypatch):
     """A first produce to a large topic opens every partition at once; their
-    claims (etcd transactions) go a few at a time: 10,000 at once queued the
-    broker's lease refresh past its TTL."""
+    claims go CLAIM_BATCH to a transaction, a few transactions at a time (10,000
+    single claims at once queued the broker's lease refresh past its TTL). One
+    another broker owns is left out of its batch and refused on its own; an
+    earlier owner's fence is deleted, once."""
     from kafscale.broker import partitions as registry
+    from kafscale.metadata.store import CLAIM_BATCH
 
-    monkeypatch.setattr(registry, "CLAIMS_AT_ONCE", 4)
+    monkeypatch.setattr(registry, "CLAIM_BATCHES_AT_ONCE", 2)
 
     async def go():
         n = Node()
-        await n.meta.create_topic(TOPIC, 40, {})
+        await n.meta.create_topic(TOPIC, 200, {})
+        other = await n.etcd.lease(60)
+        assert await n.meta.claim_owner(TOPIC, 7, 99, other)
+        await n.meta.create_fence("old", other)
+        await n.meta.claim_partition(TOPIC, 9, 99, "old")  # owned once by a process since gone
         reg = registry.PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
+        reg.cluster.desired_owner = lambda _t, _p: n.cfg.node_id  # type: ignore[method-assign]
         await reg.start(await n.etcd.lease(60))
-        in_flight, peak = [0], [0]
-        real = n.meta.claim_owner
+        in_flight, peak, sizes = [0], [0], []
+        real = n.meta.claim_partitions
 
-        async def claim_owner(*args):
+        async def claim_partitions(topic, parts, *args):
             in_flight[0] += 1
             peak[0] = max(peak[0], in_flight[0])
+            sizes.append(len(parts))
             try:
                 await asyncio.sleep(0.005)
-                return await real(*args)
+                return await real(topic, parts, *args)
             finally:
                 in_flight[0] -= 1
 
-        n.meta.claim_owner = claim_owner  # type: ignore[method-assign]
-        for p in range(40):
+        n.meta.claim_partitions = claim_partitions  # type: ignore[method-assign]
+        txns = n.etcd.txns
+        for p in range(200):
             reg.open_soon(TOPIC, p)
-        logs = await asyncio.gather(*(reg.partition_log(TOPIC, p) for p in range(40)))
-        assert peak[0] == 4, f"{peak[0]} claims at once"
-        assert sorted(lg.partition for lg in logs) == list(range(40)) and all(lg.epoch == 1 for lg in logs)
+        logs = await asyncio.gather(*(reg.partition_log(TOPIC, p) for p in range(200)), return_exceptions=True)
+        assert peak[0] == 2, f"{peak[0]} batches at once"
+        assert sorted(sizes, reverse=True) == [CLAIM_BATCH] * (200 // CLAIM_BATCH) + [200 % CLAIM_BATCH]
+        refused = logs.pop(7)
+        assert isinstance(refused, LogError) and "owned by broker 99" in str(refused)
+        assert [lg.epoch for lg in logs] == [1] * 8 + [2] + [1] * 190
+        assert len({lg.fence for lg in logs}) == 1 and logs[0].fence == reg.flusher.fence
+        assert await n.etcd.get(n.meta.k("fences", "old")) is None
+        owners = await n.meta.owners()
+        assert sum(o == n.cfg.node_id for o in owners.values()) == 199 and owners[(TOPIC, 7)] == 99
+        # a read and a claim per batch, and partition 7's own attempts (two owner compares and the owner's read)
+        assert n.etcd.txns - txns == 2 * len(sizes) + 2
         await reg.close(drain_s=1)
+
+    run(go())
+
+
+def test_a_batch_of_claims_claims_nothing_if_a_key_moved_after_it_was_read():
+    """claim_partitions reads the keys, then claims in one transaction comparing
+    what it read: another claim in between fails the whole batch, and the
+    caller claims each alone."""
+    async def go():
+        etcd = MemoryEtcd()
+        meta = MetaStore.in_memory("unit", etcd)
+        await meta.create_topic(TOPIC, 3, {})
+        lease = await etcd.lease(60)
+        real = etcd.transaction
+
+        async def racing(compare, success, failure):
+            if compare:  # the claim, after the read: another broker claims partition 1 first
+                etcd.transaction = real
+                await meta.claim_partition(TOPIC, 1, 9)
+            return await real(compare, success, failure)
+
+        etcd.transaction = racing
+        assert await meta.claim_partitions(TOPIC, [0, 1, 2], 1, lease, "f") == {}
+        assert await meta.get_partition(TOPIC, 0) is None and (await meta.get_partition(TOPIC, 1))[0].owner == 9
+        assert await meta.owners() == {}
+        claimed = await meta.claim_partitions(TOPIC, [0, 1, 2], 1, lease, "f")
+        assert {p: s.epoch for p, (s, _) in claimed.items()} == {0: 1, 1: 2, 2: 1}
+        assert {p: raw for p, (_, raw) in claimed.items()} == {p: (await meta.get_partition(TOPIC, p))[1]
+                                                                for p in range(3)}
 
     run(go())
 
