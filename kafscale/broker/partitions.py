@@ -273,6 +273,10 @@ class PartitionRegistry:
             fut.set_exception(err)
             fut.exception()  # retrieved: waiters re-raise it
             raise err from exc
+        except asyncio.CancelledError:  # the opener gave up: those who joined it get an error to retry on
+            fut.set_exception(LogError(ErrorCode.LEADER_NOT_AVAILABLE, f"opening {topic}/{p} was cancelled"))
+            fut.exception()
+            raise
         finally:
             del self._opening[key]
 

@@ -15,6 +15,7 @@ from kafscale.broker.cluster import Cluster, rendezvous
 from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
+from kafscale.protocol.errors import ErrorCode
 from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
@@ -546,5 +547,40 @@ def test_claims_during_a_wal_scan_share_the_next_one():
         gate.set()
         await asyncio.gather(first, *later)
         assert len(scans) == 2, "the five claims made during the first scan shared the second"
+
+    run(go())
+
+
+def test_an_opener_cancelled_while_claiming_fails_those_who_joined_it():
+    """The first opener of a partition cancelled while its claim waits in a
+    batch: a request that joined that open gets a retriable error at once (it
+    waited forever before), and the next request opens the partition."""
+    from kafscale.broker import partitions as registry
+
+    async def go():
+        n = Node()
+        await n.meta.create_topic(TOPIC, 1, {})
+        reg = registry.PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
+        reg.cluster.desired_owner = lambda _t, _p: n.cfg.node_id  # type: ignore[method-assign]
+        await reg.start(await n.etcd.lease(60))
+        gate, real = asyncio.Event(), n.meta.claim_partitions
+
+        async def claim_partitions(*args):
+            await gate.wait()
+            return await real(*args)
+
+        n.meta.claim_partitions = claim_partitions  # type: ignore[method-assign]
+        first = asyncio.create_task(reg.partition_log(TOPIC, 0))
+        await asyncio.sleep(0.01)
+        joined = asyncio.create_task(reg.partition_log(TOPIC, 0))
+        await asyncio.sleep(0.01)
+        first.cancel()
+        with pytest.raises(LogError) as refused:
+            await asyncio.wait_for(joined, 1)
+        assert refused.value.code == ErrorCode.LEADER_NOT_AVAILABLE
+        gate.set()
+        lg = await asyncio.wait_for(reg.partition_log(TOPIC, 0), 5)
+        assert lg.epoch >= 1 and reg.is_open(TOPIC, 0)
+        await reg.close(drain_s=1)
 
     run(go())
