@@ -15,10 +15,13 @@ etcd keys the run added and etcd's DB size. From the producer: ack latency
 p50/p99 (produce() to delivery report) and how many records were
 acknowledged. From /proc: the broker's CPU (all its processes) and the log
 process's peak RSS. From the broker's own /metrics, where an acknowledgement's
-time goes: Produce request p50/p99 (arrival to response, in the workers), node
-object PUT p50/p99, etcd commit p50/p99 and how late the log process's event
-loop runs what is due (each the upper bound of its histogram bucket; a busy
-loop makes the PUTs and commits look slower, as their completions wait for it).
+time goes: Produce request p50/p99/max (arrival to response, in the workers),
+node object PUT, etcd commit and how late the log process's event loop runs
+what is due (each the upper bound of its histogram bucket; a busy loop makes
+the PUTs and commits look slower, as their completions wait for it). From
+etcd's own /metrics, its WAL fsyncs and backend commits p99/max: node objects
+commit in order, so one slow fsync holds every acknowledgement behind it while
+adding only one slow commit to the broker's histogram.
 
 The latency bound it checks against, measured in the same run before the
 brokers start: linger + 2 x p99 of a 64 KiB S3 PUT + p99 of a one-key etcd
@@ -80,7 +83,7 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field} for {pid}")
 
 
-BROKER_HISTOGRAMS = {  # column: (histogram, label that selects it)
+BROKER_HISTOGRAMS: dict[str, tuple[str, tuple[str, str] | None]] = {  # column: (histogram, label selecting it)
     "produce": ("kafscale_request_seconds", ("api", "Produce")),
     "PUT": ("kafscale_s3_request_seconds", ("op", "put")),
     "commit": ("kafscale_etcd_commit_seconds", None),
@@ -88,14 +91,21 @@ BROKER_HISTOGRAMS = {  # column: (histogram, label that selects it)
 }
 
 
-def broker_buckets(admin: str) -> dict[str, dict[float, float]]:
-    """The broker's latency histograms (BROKER_HISTOGRAMS): cumulative count per bucket bound."""
+ETCD_HISTOGRAMS: dict[str, tuple[str, tuple[str, str] | None]] = {
+    "WAL fsync": ("etcd_disk_wal_fsync_duration_seconds", None),
+    "backend commit": ("etcd_disk_backend_commit_duration_seconds", None),
+}
+
+
+def histogram_buckets(url: str, histograms: dict[str, tuple[str, tuple[str, str] | None]]
+                      ) -> dict[str, dict[float, float]]:
+    """Latency histograms scraped from a /metrics URL: cumulative count per bucket bound, per column."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(f"http://{admin}/metrics", timeout=10).read().decode()
-    out: dict[str, dict[float, float]] = {k: {} for k in BROKER_HISTOGRAMS}
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, dict[float, float]] = {k: {} for k in histograms}
     for fam in text_string_to_metric_families(text):
-        for col, (name, label) in BROKER_HISTOGRAMS.items():
+        for col, (name, label) in histograms.items():
             if fam.name != name:
                 continue
             for s in fam.samples:
@@ -112,6 +122,15 @@ def bucket_quantile(before: dict[float, float], after: dict[float, float], q: fl
     if not counts or not counts[-1]:
         return float("nan")
     return next(b for b, c in zip(bounds, counts, strict=True) if c >= q * counts[-1])
+
+
+def stage_ms(before: dict[str, dict[float, float]], after: dict[str, dict[float, float]]
+             ) -> dict[str, tuple[float, float, float]]:
+    """Per column, (p50, p99, max) in ms of what was observed between two scrapes (bucket upper bounds)."""
+    def ms(col: str, q: float) -> float:
+        return bucket_quantile(before[col], after[col], q) * 1000
+
+    return {col: (ms(col, 0.5), ms(col, 0.99), ms(col, 1.0)) for col in after}
 
 
 @dataclass
@@ -132,7 +151,8 @@ class Run:
     peak_rss_mib: float  # the log process
     idle_kib_per_partition: float
     open_s: float  # one record to every partition, all acknowledged
-    broker_ms: dict[str, tuple[float, float]]  # BROKER_HISTOGRAMS column -> (p50, p99) in ms
+    broker_ms: dict[str, tuple[float, float, float]]  # BROKER_HISTOGRAMS column -> (p50, p99, max) in ms
+    etcd_ms: dict[str, tuple[float, float, float]]  # ETCD_HISTOGRAMS column -> (p50, p99, max) in ms
     produce_requests: float
 
     def per_s(self, what: str) -> float:
@@ -200,12 +220,14 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
         open_all(bootstrap, topic, partitions)
         open_s = time.perf_counter() - opening
         idle = (rss_kib(log_process) - before_open) / partitions
-        start, hist = stack.server_counts(), broker_buckets(admin)
+        broker_url, etcd_url = f"http://{admin}/metrics", f"http://{stack.etcd_endpoint}/metrics"
+        start, hist = stack.server_counts(), histogram_buckets(broker_url, BROKER_HISTOGRAMS)
+        disk = histogram_buckets(etcd_url, ETCD_HISTOGRAMS)
         with CpuMeter({"broker": [proc.pid, *broker_children(proc.pid)]}) as cpu:
             offered, acked, failed, lat, secs = offer(bootstrap, topic, partitions, rate, seconds, drain)
-        end, hist_end = stack.server_counts(), broker_buckets(admin)
-        broker_ms = {col: (bucket_quantile(hist[col], hist_end[col], 0.5) * 1000,
-                           bucket_quantile(hist[col], hist_end[col], 0.99) * 1000) for col in BROKER_HISTOGRAMS}
+        end, hist_end = stack.server_counts(), histogram_buckets(broker_url, BROKER_HISTOGRAMS)
+        broker_ms = stage_ms(hist, hist_end)
+        etcd_ms = stage_ms(disk, histogram_buckets(etcd_url, ETCD_HISTOGRAMS))
         requests = hist_end["produce"].get(float("inf"), 0) - hist["produce"].get(float("inf"), 0)
         peak = rss_kib(log_process, "VmHWM") / 1024
     finally:
@@ -213,7 +235,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
         proc.wait(120)
     return Run(mode, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"],
                end["txns"] - start["txns"], end["keys"] - start["keys"], end["db"] / (1 << 20), lat,
-               cpu.cores["broker"], peak, idle, open_s, broker_ms, requests)
+               cpu.cores["broker"], peak, idle, open_s, broker_ms, etcd_ms, requests)
 
 
 def report(runs: list[Run], bound: float) -> None:
@@ -234,8 +256,11 @@ def report(runs: list[Run], bound: float) -> None:
                   f"{cell(p99, b99, '.1f'):>17} {cell(r.cpu, base.cpu, '.2f'):>12} "
                   f"{cell(r.peak_rss_mib, base.peak_rss_mib):>14} {r.keys:>11.0f} {r.idle_kib_per_partition:>10.1f} "
                   f"{r.open_s:>7.1f}")
-            stages = ", ".join(f"{col} {p50:g}/{p99:g}" for col, (p50, p99) in r.broker_ms.items())
-            print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s; p50/p99 ms: {stages}")
+            stages = ", ".join(f"{col} {p50:g}/{p99:g}/{top:g}" for col, (p50, p99, top) in r.broker_ms.items())
+            print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s; p50/p99/max ms: "
+                  f"{stages}")
+            disk = ", ".join(f"{col} {p99:g}/{top:g}" for col, (_, p99, top) in r.etcd_ms.items())
+            print(f"       in etcd: p99/max ms: {disk}")
             if r.failed or r.acked < r.offered:
                 print(f"       {r.offered - r.acked} records not acknowledged ({r.failed} failed)")
         worst = max(pct(r.lat, 0.99) for r in rows if r.lat)
