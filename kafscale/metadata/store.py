@@ -472,19 +472,25 @@ class MetaStore:
         key, topic_key = self.k("partitions", topic, p), self.k("topics", topic)
         tx = self.client.transactions
         async for _ in _cas_attempts(f"claim of {topic}/{p}"):
-            cur = await self.get_partition(topic, p)
-            state, same = (cur[0], tx.value(key) == cur[1]) if cur else (PartitionState(-1, 0, 0, 0),
-                                                                           tx.version(key) == 0)
-            new = PartitionState(broker_id, state.epoch + 1, state.hw, state.log_start, fence)
+            cur = await self.client.get(key)
+            same, new, old_fence = self._claim(key, cur.value if cur is not None else None, broker_id, fence)
             new_raw = new.to_json()
-            ops = [tx.put(key, new_raw)]
-            if state.fence and state.fence != fence:
-                ops.append(tx.delete(self.k("fences", state.fence)))
+            ops = [tx.put(key, new_raw), *([tx.delete(self.k("fences", old_fence))] if old_fence else [])]
             ok, _ = await self.client.transaction(compare=[same, tx.version(topic_key) > 0], success=ops, failure=[])
             if ok:
                 return new, new_raw
             if await self.client.get(topic_key) is None:
                 raise KeyError(f"topic {topic} does not exist")
+
+    def _claim(self, key: bytes, cur: bytes | None, broker_id: int, fence: str) -> tuple[Any, PartitionState, str]:
+        """A claim of the partition whose key holds cur (None: no key yet): the
+        compare that the key did not move, the state with the next epoch, and
+        the previous owner's fence if another log process's ("" if none)."""
+        tx = self.client.transactions
+        state = PartitionState(**json.loads(cur)) if cur else PartitionState(-1, 0, 0, 0)
+        same = tx.value(key) == cur if cur else tx.version(key) == 0
+        new = PartitionState(broker_id, state.epoch + 1, state.hw, state.log_start, fence)
+        return same, new, state.fence if state.fence != fence else ""
 
     async def claim_partitions(self, topic: str, parts: list[int], broker_id: int, lease: Any, fence: str = ""
                                ) -> dict[int, tuple[PartitionState, bytes]]:
@@ -505,14 +511,12 @@ class MetaStore:
         for p, (owner_key, key), owner, cur in zip(parts, keys, read[::2], read[1::2], strict=True):
             if owner and owner[0][0] != me:
                 continue
-            compare.append(tx.value(owner_key) == me if owner else tx.version(owner_key) == 0)
-            state = PartitionState(**json.loads(cur[0][0])) if cur else PartitionState(-1, 0, 0, 0)
-            compare.append(tx.value(key) == cur[0][0] if cur else tx.version(key) == 0)
-            new = PartitionState(broker_id, state.epoch + 1, state.hw, state.log_start, fence)
+            same, new, old_fence = self._claim(key, cur[0][0] if cur else None, broker_id, fence)
+            compare += [tx.value(owner_key) == me if owner else tx.version(owner_key) == 0, same]
             claimed[p] = new, new.to_json()
             ops += [tx.put(owner_key, me, lease=lease), tx.put(key, claimed[p][1])]
-            if state.fence and state.fence != fence:
-                old_fences.add(state.fence)
+            if old_fence:
+                old_fences.add(old_fence)
         if not claimed:
             return {}
         ops += [tx.delete(self.k("fences", f)) for f in sorted(old_fences)]
