@@ -253,29 +253,29 @@ class PartitionRegistry:
         self._may_open(topic, p)
         fut: asyncio.Future[PartitionLog] = asyncio.get_running_loop().create_future()
         self._opening[key] = fut
+
+        def fail(err: LogError) -> LogError:
+            """Those who joined this open get err (retrieved here: waiters re-raise it)."""
+            fut.set_exception(err)
+            fut.exception()
+            return err
+
         try:
             lg = await self._open(topic, p)
             self.logs[key] = lg
             fut.set_result(lg)
             return lg
         except LogError as exc:
-            fut.set_exception(exc)
-            fut.exception()
+            fail(exc)
             raise
         except KeyError as exc:  # the topic was deleted meanwhile
-            err = LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, str(exc))
-            fut.set_exception(err)
-            fut.exception()
-            raise err from exc
+            raise fail(LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, str(exc))) from exc
         except Exception as exc:  # etcd unreachable or similar: clients retry on this code
             log.warning("cannot open %s/%d: %r", topic, p, exc)
-            err = LogError(ErrorCode.LEADER_NOT_AVAILABLE, f"partition {topic}/{p} is not available: {exc}")
-            fut.set_exception(err)
-            fut.exception()  # retrieved: waiters re-raise it
-            raise err from exc
+            raise fail(LogError(ErrorCode.LEADER_NOT_AVAILABLE, f"partition {topic}/{p} is not available: {exc}")
+                       ) from exc
         except asyncio.CancelledError:  # the opener gave up: those who joined it get an error to retry on
-            fut.set_exception(LogError(ErrorCode.LEADER_NOT_AVAILABLE, f"opening {topic}/{p} was cancelled"))
-            fut.exception()
+            fail(LogError(ErrorCode.LEADER_NOT_AVAILABLE, f"opening {topic}/{p} was cancelled"))
             raise
         finally:
             del self._opening[key]
