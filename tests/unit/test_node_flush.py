@@ -12,6 +12,7 @@ import pytest
 
 from kafscale import _native
 from kafscale.broker.cluster import Cluster, rendezvous
+from kafscale.broker.partitions import PartitionRegistry
 from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
@@ -58,6 +59,14 @@ class Node:
         for lg in logs:
             await lg.open()
         return flusher, logs
+
+    async def registry(self) -> PartitionRegistry:
+        """A partition registry over this node's stores, started on a lease of
+        its own, every partition placed on it."""
+        reg = PartitionRegistry(self.cfg, self.store, self.meta, DictCache(), Cluster(self.meta, self.cfg))
+        reg.cluster.desired_owner = lambda _t, _p: self.cfg.node_id  # type: ignore[method-assign]
+        await reg.start(await self.etcd.lease(60))
+        return reg
 
     def uploaded(self) -> int:
         return sum(k.endswith(".kfn") for k in self.store.objects)
@@ -413,9 +422,7 @@ def test_partitions_opened_all_at_once_are_claimed_in_batches_a_few_at_a_time(mo
         assert await n.meta.claim_owner(TOPIC, 7, 99, other)
         await n.meta.create_fence("old", other)
         await n.meta.claim_partition(TOPIC, 9, 99, "old")  # owned once by a process since gone
-        reg = registry.PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
-        reg.cluster.desired_owner = lambda _t, _p: n.cfg.node_id  # type: ignore[method-assign]
-        await reg.start(await n.etcd.lease(60))
+        reg = await n.registry()
         in_flight, peak, sizes = [0], [0], []
         real = n.meta.claim_partitions
 
@@ -555,14 +562,10 @@ def test_an_opener_cancelled_while_claiming_fails_those_who_joined_it():
     """The first opener of a partition cancelled while its claim waits in a
     batch: a request that joined that open gets a retriable error at once (it
     waited forever before), and the next request opens the partition."""
-    from kafscale.broker import partitions as registry
-
     async def go():
         n = Node()
         await n.meta.create_topic(TOPIC, 1, {})
-        reg = registry.PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
-        reg.cluster.desired_owner = lambda _t, _p: n.cfg.node_id  # type: ignore[method-assign]
-        await reg.start(await n.etcd.lease(60))
+        reg = await n.registry()
         gate, real = asyncio.Event(), n.meta.claim_partitions
 
         async def claim_partitions(*args):
