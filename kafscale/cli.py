@@ -135,9 +135,10 @@ def _store(cfg: config_mod.Config) -> Any:
 
 
 async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None) -> None:
-    """The topic's .kfs segments, then its slices of node objects (KEY#POS: not compacted yet)."""
+    """The topic's .kfs segments, then its segments in shared segment objects and
+    its slices of node objects (not compacted yet), both as KEY#POS."""
     from kafscale.storage.segment import HEADER_SIZE, parse_header, parse_segment_key
-    from kafscale.storage.wal import node_prefix, read_node_directory
+    from kafscale.storage.wal import node_prefix, read_node_directory, shared_prefix
 
     prefix = f"{cfg.namespace}/{topic}/" + ("" if partition is None else f"{partition}/")
     async with _store(cfg) as store:
@@ -150,11 +151,12 @@ async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None
             parsed = parse_segment_key(key)
             part = parsed.partition if parsed is not None else "?"
             print(f"{part:>9} {hdr.base_offset:>12} {hdr.count:>8} {obj['Size']:>10}  {key}")
-        for obj in sorted(await store.list(node_prefix(cfg.namespace)), key=lambda o: o["Key"]):
-            for s in (await read_node_directory(store, obj["Key"], int(obj["Size"])))["slices"]:
-                if s["topic"] == topic and partition in (None, s["partition"]):
-                    print(f"{s['partition']:>9} {s['base']:>12} {s['count']:>8} {s['size']:>10}  "
-                          f"{obj['Key']}#{s['pos']}")
+        for root in (shared_prefix(cfg.namespace), node_prefix(cfg.namespace)):
+            for obj in sorted(await store.list(root), key=lambda o: o["Key"]):
+                for s in (await read_node_directory(store, obj["Key"], int(obj["Size"])))["slices"]:
+                    if s["topic"] == topic and partition in (None, s["partition"]):
+                        print(f"{s['partition']:>9} {s['base']:>12} {s['count']:>8} {s['size']:>10}  "
+                              f"{obj['Key']}#{s['pos']}")
 
 
 def _show(b: bytes | None) -> str:
@@ -168,7 +170,8 @@ def _show(b: bytes | None) -> str:
 
 
 async def _segments_dump(cfg: config_mod.Config, key: str) -> None:
-    """A .kfs segment's records; of a node object (.kfn), each slice's (KEY#POS: that slice only)."""
+    """A .kfs segment's records; of a node object or shared segment object
+    (.kfn), each slice's (KEY#POS: that slice only)."""
     from kafscale.storage.wal import node_directory
 
     key, _, pos = key.partition("#")

@@ -9,6 +9,7 @@ partitions' committed slices and forgets node objects compacted away."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -23,6 +24,7 @@ from kafscale.config import Config
 from kafscale.metadata import topic_config
 from kafscale.metadata.store import (
     CLAIM_BATCH,
+    SHARED_PARTITIONS,
     MetaStore,
     PartitionState,
     SegmentManifest,
@@ -38,6 +40,7 @@ from kafscale.security.acl import Operation, ResourceType
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
+from kafscale.storage.shared import SHARED_OBJECT_BYTES, SHARED_SEGMENT_BYTES, compact_shared
 from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, in_turns
 
 log = logging.getLogger(__name__)
@@ -421,36 +424,47 @@ class PartitionRegistry:
 
     async def compaction_loop(self) -> None:
         """Node flushes: compact the partitions whose slices are due, oldest
-        first, a few at a time, their starts spread out: each second starts
-        the due ones' share of half the compaction lag, evenly over the second.
-        Partitions opened together fall due together, and compacting all at
-        once held every producer's acknowledgement for up to 400 ms every
-        compaction_lag_ms (100 partitions)."""
+        first, a few compactions at a time, their starts spread out: each
+        second starts the due ones' share of half the compaction lag, evenly
+        over the second. Partitions opened together fall due together, and
+        compacting all at once held every producer's acknowledgement for up to
+        400 ms every compaction_lag_ms (100 partitions). Of the partitions
+        started together, those whose segments stay small share objects
+        (kafscale.storage.shared): one PUT and one transaction for up to
+        SHARED_PARTITIONS of them."""
         limit = COMPACTION_MEMORY_SEGMENTS * self.cfg.segment_bytes
         free = [limit]
         freed = asyncio.Condition()
         slots = asyncio.Semaphore(COMPACTIONS_AT_ONCE)
         running: dict[PartitionLog, asyncio.Task[None]] = {}
         spread = max(self.cfg.compaction_lag_ms / 2000 / COMPACTION_CHECK_S, 1)  # checks to start the due ones in
+        seqs = itertools.count(1)  # shared objects of this process (named under the fence as well)
 
-        async def compact(lg: PartitionLog) -> None:
+        async def compact(logs: list[PartitionLog], shared: bool) -> None:
             """Holds a slot; waits while the memory compactions hold would not fit in `limit` (one always may)."""
             try:
-                need = min(2 * lg.compaction_bytes(), limit)
+                need = min(2 * sum(lg.compaction_bytes() for lg in logs), limit)
                 async with freed:
                     await freed.wait_for(lambda: free[0] >= need)
                     free[0] -= need
                 try:
-                    await lg.compact()
+                    if shared:
+                        assert self.flusher is not None
+                        await compact_shared(logs, self.cfg, self.store, self.meta, self.flusher.fence, next(seqs),
+                                             self.flusher.topic_id)
+                    else:
+                        await logs[0].compact()
                 except Exception as exc:
-                    log.warning("%s/%d: compaction failed (tried again later): %r", lg.topic, lg.partition, exc)
+                    log.warning("compaction of %s failed (tried again later): %r",
+                                ", ".join(f"{lg.topic}/{lg.partition}" for lg in logs), exc)
                 finally:
                     async with freed:
                         free[0] += need
                         freed.notify_all()
             finally:
                 slots.release()
-                del running[lg]
+                for lg in logs:
+                    del running[lg]
 
         try:
             while True:
@@ -462,18 +476,20 @@ class PartitionRegistry:
                 if not due:
                     await asyncio.sleep(COMPACTION_CHECK_S)
                     continue
-                n = math.ceil(len(due) / spread)  # spread >= 1: at most all of them
-                for lg in due[:n]:
+                batches = compaction_batches(due[:math.ceil(len(due) / spread)])  # spread >= 1: at most all
+                for logs, shared in batches:
                     await slots.acquire()
-                    if lg.closed:
-                        slots.release()
+                    if logs := [lg for lg in logs if not lg.closed]:
+                        task = asyncio.create_task(compact(logs, shared and len(logs) > 1),
+                                                   name=f"compact {logs[0].topic}/{logs[0].partition}")
+                        running.update((lg, task) for lg in logs)
                     else:
-                        running[lg] = asyncio.create_task(compact(lg), name=f"compact {lg.topic}/{lg.partition}")
-                    await asyncio.sleep(COMPACTION_CHECK_S / n)
+                        slots.release()
+                    await asyncio.sleep(COMPACTION_CHECK_S / len(batches))
         finally:  # the running ones finish (one of a log closed meanwhile commits nothing): one cancelled
             # in its commit left the partition key unknown, and the partition's hand-over then failed
             if running:
-                await asyncio.wait(list(running.values()))
+                await asyncio.wait(set(running.values()))
 
     async def collection_loop(self) -> None:
         """Every half compaction_lag_ms, forget the node objects whose slices are
@@ -551,3 +567,33 @@ class PartitionApi:
             if not ids or unknown:
                 return f"replica list {i} ({ids}) must name live brokers ({sorted(live)})"
         return None
+
+
+def compaction_batches(due: list[PartitionLog]) -> list[tuple[list[PartitionLog], bool]]:
+    """The compactions to start for these due logs (oldest first), each with
+    whether it is shared: a log whose segment would be larger than
+    SHARED_SEGMENT_BYTES alone, the others in shared objects of about equal
+    size, each of at most SHARED_PARTITIONS partitions and about
+    SHARED_OBJECT_BYTES (a shared object of one is compacted on its own)."""
+    out: list[tuple[list[PartitionLog], bool]] = []
+    small: list[tuple[PartitionLog, int]] = []
+    for lg in due:
+        n = lg.compaction_bytes()
+        if n > SHARED_SEGMENT_BYTES:
+            out.append(([lg], False))
+        else:
+            small.append((lg, n))
+    groups = max(math.ceil(len(small) / SHARED_PARTITIONS),
+                 math.ceil(sum(n for _, n in small) / SHARED_OBJECT_BYTES))
+    per = math.ceil(len(small) / groups) if small else 0
+    group: list[PartitionLog] = []
+    size = 0
+    for lg, n in small:
+        if group and (len(group) == per or size + n > SHARED_OBJECT_BYTES):
+            out.append((group, True))
+            group, size = [], 0
+        group.append(lg)
+        size += n
+    if group:
+        out.append((group, True))
+    return out

@@ -9,6 +9,10 @@
                                  objects (on its lease; a claim of one of its partitions deletes it)
   wal/{fence id}/{seq}           directory of one committed node object (seq 12 digits), until
                                  every partition's slice in it is compacted (kafscale.storage.wal)
+  shared/{fence id}/{seq}        directory of one shared segment object: the compacted segments of up
+                                 to SHARED_PARTITIONS small partitions (their manifests under segments/
+                                 name it), until every one is below its partition's log start
+                                 (kafscale.storage.shared)
   brokers/{id}                   {"host": ..., "port": ...} on the broker's lease
   owners/{topic}/{p}             id of the broker that owns the partition, on its lease
   draining/{id}                  present while an operator drains that broker
@@ -179,6 +183,9 @@ TXN_MAX_OPS = 128  # etcd's default --max-txn-ops (of compares, and of operation
 # partitions one claim_partitions call claims: two compares and two puts each, plus one delete per old fence
 # named (at most one each) and the topic's compare, all within TXN_MAX_OPS
 CLAIM_BATCH = (TXN_MAX_OPS - 1) // 3
+# partitions in one shared segment object: its commit compares each partition key, and puts it and its
+# segment's manifest (two operations each) and the object's directory, all within TXN_MAX_OPS
+SHARED_PARTITIONS = (TXN_MAX_OPS - 1) // 2
 SCAN_PAGE = 1000  # keys per etcd range read in MetaStore.scan
 SCAN_TURN = 100  # keys MetaStore.scan hands out before it lets other work run
 WAL_SCAN_PAGE = 50  # node object directories are larger: fewer per range read
@@ -406,27 +413,46 @@ class MetaStore:
         if not ok:
             raise Fenced(f"fence {fence} was taken")
 
+    async def commit_shared(self, fence: str, seq: int, directory: bytes,
+                            parts: list[tuple[str, int, bytes, PartitionState, SegmentManifest]]) -> bool:
+        """Commit a shared segment object in one transaction: for each (topic,
+        partition, the value its owner last wrote, new state, manifest) the
+        partition key is compared and moved and the manifest put, and the
+        directory goes under shared/{fence}/{seq}. False (nothing written) if
+        any partition key holds something else."""
+        assert len(parts) <= SHARED_PARTITIONS
+        tx = self.client.transactions
+        ops = [tx.put(self.k("shared", fence, f"{seq:012d}"), directory)]
+        for topic, p, _, state, m in parts:
+            ops += [tx.put(self.k("partitions", topic, p), state.to_json()),
+                    tx.put(self.k("segments", topic, p, f"{m.base:020d}"), m.to_json())]
+        ok, _ = await self.client.transaction(
+            compare=[tx.value(self.k("partitions", topic, p)) == raw for topic, p, raw, _, _ in parts],
+            success=ops, failure=[])
+        return bool(ok)
+
     async def fences(self) -> set[str]:
         """The fence ids of the log processes that may commit node objects now."""
         base = self.k("fences", "")
         return {kv.key[len(base):].decode() async for kv in self.scan(base, keys_only=True)}
 
-    async def wal_directories(self) -> list[tuple[bytes, bytes]]:
-        """(key, directory) of every committed node object not yet compacted away."""
-        return [(kv.key, kv.value) async for kv in self.scan(self.k("wal", ""), page=WAL_SCAN_PAGE)]
+    async def wal_directories(self, area: str = "wal") -> list[tuple[bytes, bytes]]:
+        """(key, directory) of every committed node object not yet compacted
+        away (area "wal"), or of every shared segment object ("shared")."""
+        return [(kv.key, kv.value) async for kv in self.scan(self.k(area, ""), page=WAL_SCAN_PAGE)]
 
-    async def wal_directories_of(self, keys: list[bytes]) -> dict[bytes, bytes]:
-        """The committed directories of these wal keys (those forgotten since are
-        left out): one get each when they are few, else one paged scan (a
-        thousand gets at once held the event loop past a 2 s lease)."""
+    async def wal_directories_of(self, keys: list[bytes], area: str = "wal") -> dict[bytes, bytes]:
+        """The committed directories of these keys of one area (those forgotten
+        since are left out): one get each when they are few, else one paged
+        scan (a thousand gets at once held the event loop past a 2 s lease)."""
         if len(keys) > WAL_GETS:
             want = set(keys)
-            return {k: v for k, v in await self.wal_directories() if k in want}
+            return {k: v for k, v in await self.wal_directories(area) if k in want}
         got = await asyncio.gather(*(self.client.get(k) for k in keys))
         return {k: bytes(kv.value) for k, kv in zip(keys, got, strict=True) if kv is not None}
 
-    async def wal_keys(self) -> list[bytes]:
-        return [kv.key async for kv in self.scan(self.k("wal", ""), keys_only=True)]
+    async def wal_keys(self, area: str = "wal") -> list[bytes]:
+        return [kv.key async for kv in self.scan(self.k(area, ""), keys_only=True)]
 
     async def forget_wal(self, keys: list[bytes]) -> None:
         tx = self.client.transactions

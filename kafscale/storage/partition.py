@@ -265,26 +265,31 @@ class PartitionLog(LogReader):
     # partition each second costs the same however many slices they hold
     # (walking them took the log process 15 ms and more a check at 1,000
     # partitions, every acknowledgement waiting).
+    # The slices are the segments from the checkpoint on (a compacted segment in
+    # a shared object has a position too, but lies below the checkpoint); a
+    # compaction replaces slices only.
     def set_segments(self, segments: list[SegmentManifest]) -> None:
         super().set_segments(segments)
         self._slice_count = self._slice_bytes = 0
-        self._count_slices(itertools.takewhile(lambda m: m.pos >= 0, reversed(segments)), 1)
+        self._count_slices(itertools.takewhile(self._is_slice, reversed(segments)), 1)
 
     def add_segment(self, m: SegmentManifest) -> list[SegmentManifest]:
         replaced = super().add_segment(m)
-        self._count_slices([m], 1)
+        self._count_slices(filter(self._is_slice, [m]), 1)
         self._count_slices(replaced, -1)
         return replaced
 
     def drop_segments(self, n: int) -> None:
-        self._count_slices(self.segments[:n], -1)
+        self._count_slices(filter(self._is_slice, self.segments[:n]), -1)
         super().drop_segments(n)
+
+    def _is_slice(self, m: SegmentManifest) -> bool:
+        return m.pos >= 0 and m.base >= self.checkpoint
 
     def _count_slices(self, segments: Iterable[SegmentManifest], sign: int) -> None:
         for m in segments:
-            if m.pos >= 0:
-                self._slice_count += sign
-                self._slice_bytes += sign * m.size
+            self._slice_count += sign
+            self._slice_bytes += sign * m.size
 
     def _slices(self) -> list[SegmentManifest]:
         """The committed node object slices, oldest first."""
@@ -315,24 +320,62 @@ class PartitionLog(LogReader):
         """Bytes the next compaction reads (it holds about twice that while it builds the segment)."""
         return sum(m.size for m in self._to_compact())
 
+    async def compaction(self) -> tuple[list[SegmentManifest], BuiltSegment] | None:
+        """The committed slices the next compaction takes (oldest first, up to
+        segment.bytes) and the segment built of them; None with nothing to do."""
+        slices = self._to_compact()
+        if not slices or self.closed:
+            return None
+        parts = []
+        for m in slices:
+            whole = await self.whole(m)  # from the cache, else one ranged GET
+            parts.append((memoryview(whole.data)[HEADER_SIZE:whole.body_end], m.base))
+        return slices, build_segment(parts, int(time.time() * 1000))
+
+    @staticmethod
+    def compacted_manifest(slices: list[SegmentManifest], seg: BuiltSegment, key: str, pos: int = -1
+                           ) -> SegmentManifest:
+        """The manifest of a segment compacted from these slices (pos >= 0: in a shared object)."""
+        return SegmentManifest(seg.base_offset, seg.last_offset, seg.count, len(seg.data), seg.min_timestamp,
+                               seg.max_timestamp, key, min(m.created_ms for m in slices),
+                               {str(pid): [st.epoch, [list(b) for b in st.recent]]
+                                for pid, st in producer_states(slices).items()}, pos)
+
+    def compacted_state(self, seg: BuiltSegment) -> PartitionState:
+        """The partition's state once this compacted segment is committed: its checkpoint after it."""
+        return PartitionState(self.cfg.node_id, self.epoch, seg.last_offset + 1, self.log_start, self.fence)
+
+    def commit_lock(self) -> asyncio.Lock:
+        """Held while the partition key moves (commits, retention, release_fence)."""
+        return self._commit_lock
+
+    def state_raw(self) -> bytes:
+        """The partition key's value as this owner last wrote it (what its commits compare)."""
+        return self._state_raw
+
+    def compaction_committed(self, raw: bytes, manifest: SegmentManifest) -> None:
+        """A compacted segment's manifest and the checkpoint after it are in
+        etcd (raw: the partition key's value now); under the commit lock."""
+        self._state_raw = raw
+        self.checkpoint = manifest.last + 1
+
+    def serve_compacted(self, manifest: SegmentManifest, seg: BuiltSegment) -> None:
+        """Serve from a committed compacted segment instead of the slices it replaces."""
+        self.cache.put(manifest.ref, CachedSegment.from_built(seg))
+        self.add_segment(manifest)
+        self._on_change(self, manifest)
+
     async def compact(self) -> None:
         """Rewrite the committed slices (oldest first, up to segment.bytes) into
         one .kfs segment with its index, commit its manifest and the new
         checkpoint in one fenced transaction, then serve from it."""
         async with self._compacting:
-            slices = self._to_compact()
-            if not slices or self.closed:
+            built = await self.compaction()
+            if built is None:
                 return
-            parts = []
-            for m in slices:
-                whole = await self.whole(m)  # from the cache, else one ranged GET
-                parts.append((memoryview(whole.data)[HEADER_SIZE:whole.body_end], m.base))
-            seg = build_segment(parts, int(time.time() * 1000))
+            slices, seg = built
             key = segment_key(self.cfg.namespace, self.topic, self.partition, seg.base_offset, self.epoch)
-            manifest = SegmentManifest(seg.base_offset, seg.last_offset, seg.count, len(seg.data),
-                                       seg.min_timestamp, seg.max_timestamp, key, min(m.created_ms for m in slices),
-                                       {str(pid): [st.epoch, [list(b) for b in st.recent]]
-                                        for pid, st in producer_states(slices).items()})
+            manifest = self.compacted_manifest(slices, seg, key)
             await self._retry(f"upload of {key}", lambda: asyncio.wait_for(
                 self._upload(key, seg.data, seg.index, background=True), self.cfg.s3_timeout_s))
             faults.reached("mid-compaction")
@@ -344,10 +387,7 @@ class PartitionLog(LogReader):
                     if self.closed:  # handed over or fenced meanwhile: the slices stay for the next owner
                         closed = True
                         return
-                    new_state = PartitionState(self.cfg.node_id, self.epoch, seg.last_offset + 1, self.log_start,
-                                               self.fence)
-                    self._state_raw = await self._commit(new_state, manifest)
-                    self.checkpoint = seg.last_offset + 1
+                    self.compaction_committed(await self._commit(self.compacted_state(seg), manifest), manifest)
 
             try:
                 await self._retry(f"commit of {key}", commit)
@@ -359,9 +399,7 @@ class PartitionLog(LogReader):
             if closed:
                 await self._delete_objects([manifest], "a compaction of a closed log")
                 return
-            self.cache.put(manifest.ref, CachedSegment.from_built(seg))
-            self.add_segment(manifest)
-            self._on_change(self, manifest)
+            self.serve_compacted(manifest, seg)
 
     async def release_fence(self) -> None:
         """Handing over with nothing in flight: clear our fence from the partition's

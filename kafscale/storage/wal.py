@@ -62,6 +62,15 @@ def node_key(namespace: str, fence: str, seq: int) -> str:
     return f"{node_prefix(namespace)}{fence}/{seq:012d}.kfn"
 
 
+def shared_prefix(namespace: str) -> str:
+    """Where shared segment objects live (kafscale.storage.shared)."""
+    return f"{namespace}/~shared/"
+
+
+def shared_key(namespace: str, fence: str, seq: int) -> str:
+    return f"{shared_prefix(namespace)}{fence}/{seq:012d}.kfn"
+
+
 @dataclass
 class Slice:
     """One partition's part of a node object: its batches, the segment built of
@@ -83,6 +92,21 @@ def directory(key: str, created_ms: int, slices: list[Slice], topic_ids: dict[st
     """The node object's directory (JSON, also its etcd value); slice_manifests reads it back."""
     return json.dumps({"key": key, "created_ms": created_ms,
                        "slices": [s.entry(topic_ids[s.log.topic]) for s in slices]}, separators=(",", ":")).encode()
+
+
+def object_body(slices: list[Slice], dir_raw: bytes) -> bytearray:
+    """A node object (or shared segment object): its slices back to back, the directory, the trailer."""
+    return bytearray().join([*(s.seg.data for s in slices), dir_raw, NODE_TRAILER.pack(len(dir_raw), NODE_MAGIC)])
+
+
+async def put_once(store: ObjectStore, key: str, body: bytearray) -> None:
+    """Upload an object under a key of our fence (If-None-Match): one that
+    exists with this size is our own earlier attempt whose reply was lost."""
+    try:
+        await store.put(key, body)
+    except ObjectExists:
+        if await store.size(key) != len(body):
+            raise Fenced(f"{key} exists with other content") from None
 
 
 def node_directory(data: bytes | bytearray) -> dict[str, Any]:
@@ -121,12 +145,14 @@ def by_partition(directories: list[bytes]) -> dict[tuple[str, int], list[Segment
     return out
 
 
-async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callable[[bytes], T]) -> dict[bytes, T]:
-    """The committed directories now, by wal key, each as parse makes it: those
-    in known are kept as they are (a directory never changes), only the new
-    ones are read and parsed."""
-    keys = await meta.wal_keys()
-    new = await meta.wal_directories_of([k for k in keys if k not in known])
+async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callable[[bytes], T], area: str = "wal"
+                           ) -> dict[bytes, T]:
+    """The committed directories of an area ("wal": node objects, "shared":
+    shared segment objects) now, by key, each as parse makes it: those in
+    known are kept as they are (a directory never changes), only the new ones
+    are read and parsed."""
+    keys = await meta.wal_keys(area)
+    new = await meta.wal_directories_of([k for k in keys if k not in known], area)
     out = {k: known[k] for k in keys if k in known}
     async for chunk in in_turns([k for k in keys if k in new], 100):
         out.update((k, parse(new[k])) for k in chunk)
@@ -310,11 +336,11 @@ class NodeFlusher:
                     raise Fenced(f"topic {s.log.topic} was deleted")
                 ids[s.log.topic] = tid
             dir_raw = directory(key, created, slices, ids)
-            body = bytearray().join([*(s.seg.data for s in slices), dir_raw,
-                                     NODE_TRAILER.pack(len(dir_raw), NODE_MAGIC)])
+            body = object_body(slices, dir_raw)
             metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(body))
             faults.reached("before-upload")
-            await retry(f"upload of {key}", lambda: asyncio.wait_for(self._upload(key, body), self.cfg.s3_timeout_s))
+            await retry(f"upload of {key}", lambda: asyncio.wait_for(put_once(self.store, key, body),
+                                                                      self.cfg.s3_timeout_s))
             faults.reached("after-upload")
         except Exception as exc:
             self._fail(exc)
@@ -377,13 +403,6 @@ class NodeFlusher:
                 fut.set_exception(self._failed)
         self._uploaded.clear()
 
-    async def _upload(self, key: str, body: bytearray) -> None:
-        try:
-            await self.store.put(key, body)
-        except ObjectExists:  # our own earlier attempt whose reply was lost (the fence id is ours alone)
-            if await self.store.size(key) != len(body):
-                raise Fenced(f"{key} exists with other content") from None
-
 
 async def retry(what: str, step: Callable[[], Awaitable[None]]) -> None:
     """Run step until it succeeds: S3 or etcd being down keeps the data queued
@@ -444,20 +463,23 @@ class WalIndex:
             self._parsed = parsed
 
 
-def _summary(raw: bytes) -> tuple[str, list[tuple[str, str, int, int]]]:
-    """A directory as the collector needs it: the object's key, and per slice
-    its topic, topic id hex, partition and last offset."""
+def _summary(raw: bytes, shared: bool) -> tuple[str, bool, list[tuple[str, str, int, int]]]:
+    """A directory as the collector needs it: the object's key, whether it is
+    a shared segment object, and per slice its topic, topic id hex, partition
+    and last offset."""
     key, slices = slice_manifests(raw)
-    return key, [(topic, tid, p, m.last) for topic, tid, p, m in slices]
+    return key, shared, [(topic, tid, p, m.last) for topic, tid, p, m in slices]
 
 
 class Collector:
     """Forgets the node objects whose every slice is compacted (below its
     partition's checkpoint), before its log start, or of a deleted topic, and
-    deletes them GRACE_S later; every ORPHAN_AGE_S / 2 it also deletes objects
-    no directory names (uploads that never committed) once ORPHAN_AGE_S old.
-    A directory never changes, so each is read and parsed once (a pass reads
-    the wal/ keys and only the directories it has not seen)."""
+    the shared segment objects whose every segment is before its log start
+    or of a deleted topic, and deletes them GRACE_S later; every
+    ORPHAN_AGE_S / 2 it also deletes objects no directory names (uploads
+    that never committed) once ORPHAN_AGE_S old. A directory never changes,
+    so each is read and parsed once (a pass reads the wal/ and shared/ keys
+    and only the directories it has not seen)."""
 
     def __init__(self, meta: MetaStore, store: ObjectStore, namespace: str, orphan_age_s: float = ORPHAN_AGE_S
                  ) -> None:
@@ -465,8 +487,9 @@ class Collector:
         self.store = store
         self.namespace = namespace
         self.orphan_age_s = orphan_age_s
-        # wal key -> the object's key and its slices as (topic, topic id hex, partition, last offset)
-        self._seen: dict[bytes, tuple[str, list[tuple[str, str, int, int]]]] = {}
+        # wal/ or shared/ key -> the object's key, whether shared, and its slices as
+        # (topic, topic id hex, partition, last offset)
+        self._seen: dict[bytes, tuple[str, bool, list[tuple[str, str, int, int]]]] = {}
         self._orphans_swept = 0.0
 
     async def run(self) -> int:
@@ -475,19 +498,22 @@ class Collector:
         was claimed (its state written) before the object was committed, so a
         missing state then means a deleted topic, never a partition claimed
         after the states were read (whose object would be forgotten live)."""
-        self._seen = await read_directories(self.meta, self._seen, _summary)
+        self._seen = (await read_directories(self.meta, self._seen, functools.partial(_summary, shared=False))
+                      | await read_directories(self.meta, self._seen, functools.partial(_summary, shared=True),
+                                               "shared"))
         dead: list[tuple[bytes, str]] = []
         if self._seen:  # nothing to decide otherwise (a cluster without node flushes reads no states)
             topics = {t.name: t for t in await self.meta.list_topics()}
             states = await self.meta.partition_states()
 
-            def done(topic: str, tid: str, p: int, last: int) -> bool:
+            def done(shared: bool, topic: str, tid: str, p: int, last: int) -> bool:
                 t = topics.get(topic)
                 st = states.get((topic, p))
-                return t is None or t.id.hex() != tid or st is None or st.hw > last or st.log_start > last
+                return (t is None or t.id.hex() != tid or st is None or st.log_start > last
+                        or (not shared and st.hw > last))
 
             async for chunk in in_turns(list(self._seen.items()), 200):
-                dead += [(k, key) for k, (key, slices) in chunk if all(done(*sl) for sl in slices)]
+                dead += [(k, key) for k, (key, shared, slices) in chunk if all(done(shared, *sl) for sl in slices)]
         if dead:
             await self.meta.forget_wal([k for k, _ in dead])
             for k, _ in dead:
@@ -496,7 +522,7 @@ class Collector:
             asyncio.get_running_loop().call_later(GRACE_S, lambda: asyncio.ensure_future(_delete(self.store, objects)))
         if time.monotonic() >= self._orphans_swept + self.orphan_age_s / 2:
             self._orphans_swept = time.monotonic()
-            await self._sweep_orphans({key for key, _ in self._seen.values()} | {key for _, key in dead})
+            await self._sweep_orphans({key for key, _, _ in self._seen.values()} | {key for _, key in dead})
         return len(dead)
 
     async def _sweep_orphans(self, named: set[str]) -> None:
@@ -506,12 +532,13 @@ class Collector:
         fence's) took the store long enough to hold up the node flushes' PUTs
         (on SeaweedFS, by 130 ms at 600 objects: bench/README.md)."""
         live_fences = await self.meta.fences()
-        root = node_prefix(self.namespace)
         now = time.time()
-        for folder in await self.store.folders(root):
-            if folder[len(root):-1] not in live_fences:
-                await _delete(self.store, [o["Key"] for o in await self.store.list(folder) if o["Key"] not in named
-                                           and now - o["LastModified"].timestamp() > self.orphan_age_s])
+        for root in (node_prefix(self.namespace), shared_prefix(self.namespace)):
+            for folder in await self.store.folders(root):
+                if folder[len(root):-1] not in live_fences:
+                    await _delete(self.store, [o["Key"] for o in await self.store.list(folder)
+                                               if o["Key"] not in named
+                                               and now - o["LastModified"].timestamp() > self.orphan_age_s])
 
 
 async def _delete(store: ObjectStore, keys: list[str]) -> None:

@@ -18,7 +18,7 @@ from kafscale.metadata.store import MetaStore
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.scan import StoreOptions, plan, read_slice
 from kafscale.storage.segment import index_key, key_epoch
-from kafscale.storage.wal import Collector, node_prefix
+from kafscale.storage.wal import Collector, node_prefix, shared_prefix
 from tests.integration.clients import create_topic
 from tests.integration.s3log import S3RequestLog
 from tests.integration.test_topics_offsets import etcd_keys, s3_keys
@@ -95,12 +95,19 @@ def consume_all(bootstrap: str, topic: str, partitions: int = PARTITIONS) -> dic
     return out
 
 
-def wal_directories(stack, cluster: str) -> list[bytes]:
+def wal_directories(stack, cluster: str, area: str = "wal") -> list[bytes]:
+    """The directories of the node objects (area "wal") or shared segment objects ("shared") in etcd."""
     async def run() -> list[bytes]:
         host, port = stack.etcd_endpoint.split(":")
         async with aetcd.Client(host=host, port=int(port)) as c:
-            return [kv.value for kv in await c.get_prefix(f"/kafscale/{cluster}/wal/".encode())]
+            return [kv.value for kv in await c.get_prefix(f"/kafscale/{cluster}/{area}/".encode())]
     return asyncio.run(run())
+
+
+def unnamed_shared_objects(stack, cluster: str) -> list[str]:
+    """The shared segment objects no directory names (uploaded, never committed)."""
+    named = {json.loads(raw)["key"] for raw in wal_directories(stack, cluster, "shared")}
+    return [k for k in s3_keys(stack, shared_prefix(cluster)) if k not in named]
 
 
 def count_keys(stack, cluster: str, area: str) -> int:
@@ -180,6 +187,9 @@ def test_compaction_rewrites_slices_into_segments_and_forgets_node_objects(make_
         time.sleep(0.5)
     segments = count_keys(stack, b.cluster, "segments")
     assert partitions <= segments <= 4 * partitions  # compacted per partition, not per flush
+    # small partitions falling due together share an object (and a transaction)
+    shared = [json.loads(d) for d in wal_directories(stack, b.cluster, "shared")]
+    assert 0 < len(shared) < sum(len(d["slices"]) for d in shared) <= segments, shared
     served = consume_all(b.bootstrap, topic_name, partitions)
     assert {v: (p, o) for p, recs in served.items() for o, v in recs} == acked
     # the broker-less reader under the Spark source reads the compacted segments: every acknowledged record
@@ -234,8 +244,8 @@ def test_sigkill_keeps_every_acknowledged_record(make_broker, stack, topic_name,
             time.sleep(0.01)
     p.flush(30)
     assert 0 < len(acked) < i
-    if when == "mid-compaction":  # the compaction's segment is in S3, and no manifest names it
-        assert unnamed_objects(stack, b.cluster, topic_name, partitions)
+    if when == "mid-compaction":  # the compaction's segment (or shared object) is in S3, and nothing names it
+        assert unnamed_objects(stack, b.cluster, topic_name, partitions) or unnamed_shared_objects(stack, b.cluster)
     b.config.pop("crash_at", None)
     b.start()
     served = consume_all(b.bootstrap, topic_name, partitions)
@@ -284,5 +294,6 @@ def test_the_orphan_sweep_lists_and_deletes_only_gone_fences_objects(stack):
     finally:
         log.close()
     assert left == [f"{namespace}/orders/0/00000000000000000000-1.kfs", f"{root}1-live/000000000001.kfn"]
-    # the fences' prefixes (with a delimiter: not walking the objects), then the gone fence's objects alone
-    assert len(lists) == 2 and "delimiter=" in lists[0] and "2-gone" in lists[1], lists
+    # the fences' prefixes (with a delimiter: not walking the objects), then the gone fence's objects alone,
+    # then the fences' prefixes of shared objects
+    assert len(lists) == 3 and "delimiter=" in lists[0] and "2-gone" in lists[1] and "delimiter=" in lists[2], lists

@@ -226,19 +226,23 @@ def test_restart_serves_from_s3(make_broker, topic_name):
     assert [o for o, _ in got] == offsets and [r for _, r in got] == sent
 
 
+def segments_cli(b, *args: str) -> str:
+    """The output of `kafscale segments ARGS` against broker b's bucket."""
+    r = subprocess.run([sys.executable, "-m", "kafscale.cli", "segments", *args], env=b.env(), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
 def test_segments_cli(make_broker, topic_name):
     """`kafscale segments ls|dump` show a record in its node object slice, then in the segment it is compacted into."""
     b = make_broker(compaction_lag_ms=1000)
     create_topic(b.bootstrap, topic_name)
     big = b"compressible " * 50  # librdkafka sends batches that do not shrink uncompressed
     confluent_produce(b.bootstrap, topic_name, [Rec(b"key-1", b"value-1", (("h", b"x"),)), Rec(None, big)], "zstd")
-    env = b.env()
 
     def segments(*args: str) -> str:
-        r = subprocess.run([sys.executable, "-m", "kafscale.cli", "segments", *args], env=env, capture_output=True,
-                           text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        return r.stdout
+        return segments_cli(b, *args)
 
     def dumped(key: str) -> None:
         out = segments("dump", "--key", key)
@@ -256,6 +260,28 @@ def test_segments_cli(make_broker, topic_name):
             keys = [line.split()[-1] for line in segments("ls", "--topic", topic_name).splitlines()[1:]]
     assert keys[0].endswith("segment-00000000000000000000-0000000001.kfs")
     dumped(keys[0])
+
+
+def test_segments_cli_shows_small_partitions_compacted_into_one_shared_object(make_broker, topic_name):
+    """Four partitions written in one Produce request fall due for compaction
+    together: their segments share one object, which `segments ls` lists
+    (KEY#POS per partition) and `segments dump` decodes."""
+    b = make_broker(compaction_lag_ms=1000)
+    create_topic(b.bootstrap, topic_name, partitions=4)
+    p = Producer({"bootstrap.servers": b.bootstrap, "acks": "all", "linger.ms": 200})
+    for part in range(4):
+        p.produce(topic_name, value=b"in partition %d" % part, partition=part)
+    assert p.flush(30) == 0
+    deadline = time.monotonic() + 30
+    while len(keys := [line.split()[-1] for line in segments_cli(b, "ls", "--topic", topic_name).splitlines()[1:]
+                       if "/~shared/" in line]) < 4:
+        assert time.monotonic() < deadline, "the partitions were not compacted into a shared object"
+        time.sleep(0.5)
+    assert len({k.partition("#")[0] for k in keys}) == 1, keys
+    dumped = {segments_cli(b, "dump", "--key", k).split('value="')[1].split('"')[0] for k in keys}
+    assert dumped == {f"in partition {part}" for part in range(4)}
+    assert [confluent_consume(b.bootstrap, topic_name, 1, partition=part)[0][1].value for part in range(4)] == [
+        b"in partition %d" % part for part in range(4)]
 
 
 def test_topics_of_ten_thousand_partitions(broker, topic_name, stack):

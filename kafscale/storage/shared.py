@@ -1,0 +1,127 @@
+"""Shared compaction: the compacted segments of many small partitions in one
+object, committed in one etcd transaction.
+
+Compacting each partition on its own costs a PUT and a transaction per
+partition with new data every `compaction_lag_ms`; past a few hundred busy
+partitions one broker cannot keep up (about 60 a second, bench/README.md)
+and node objects pile up behind the lag. A partition whose compacted segment
+stays small (SHARED_SEGMENT_BYTES) is therefore compacted together with up
+to SHARED_PARTITIONS others: each one's segment is built as usual and the
+segments go back to back into one *shared segment object*, laid out like a
+node object (docs/segment-format.md) under `~shared/{fence}/{seq}.kfn`. One
+transaction compares every partition key with what its owner last wrote,
+moves each checkpoint past its segment, puts each segment's manifest (the
+object's key and the segment's position in it) and the object's directory
+under `shared/{fence}/{seq}`. Readers need nothing new: a manifest with a
+position is read like a node object's slice. The collector deletes the
+object once every segment in it is before its partition's log start.
+
+A partition handed over or closed while its share is built is left out (its
+slices stay for the next owner); one whose key moved (a new owner) is left
+out and fails like a fenced compaction. If every partition is left out, the
+object is deleted."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kafscale import faults, metrics
+from kafscale.config import Config
+from kafscale.metadata.store import SHARED_PARTITIONS, MetaStore, SegmentManifest
+from kafscale.storage.objectstore import ObjectStore
+from kafscale.storage.partition import PartitionLog
+from kafscale.storage.segment import BuiltSegment
+from kafscale.storage.wal import Slice, directory, object_body, put_once, retry, shared_key
+
+log = logging.getLogger(__name__)
+
+SHARED_SEGMENT_BYTES = 1 << 20  # a compaction of at most this many bytes goes into a shared object
+SHARED_OBJECT_BYTES = 8 << 20  # a shared object is cut at about this size (or SHARED_PARTITIONS partitions)
+
+
+@dataclass
+class _Share:
+    """One partition's part of a shared object."""
+    log: PartitionLog
+    slices: list[SegmentManifest]  # the committed slices it replaces
+    seg: BuiltSegment
+    manifest: SegmentManifest
+
+
+async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectStore, meta: MetaStore, fence: str,
+                         seq: int, topic_id: Callable[[str], bytes | None]) -> int:
+    """Compact the committed slices of these (at most SHARED_PARTITIONS) logs
+    into one shared object and commit it; returns how many partitions it
+    holds. `fence` and `seq` name it (a fence's seqs are never reused)."""
+    assert len(logs) <= SHARED_PARTITIONS
+    key = shared_key(cfg.namespace, fence, seq)
+    created = int(time.time() * 1000)
+    shares: list[_Share] = []
+    ids: dict[str, bytes] = {}
+    pos = 0
+    for lg in logs:
+        tid = topic_id(lg.topic)
+        built = await lg.compaction()
+        if built is None or tid is None:  # closed meanwhile, or its topic deleted
+            continue
+        ids[lg.topic] = tid
+        slices, seg = built
+        shares.append(_Share(lg, slices, seg, lg.compacted_manifest(slices, seg, key, pos)))
+        pos += len(seg.data)
+    if not shares:
+        return 0
+
+    def entries(of: list[_Share]) -> list[Slice]:
+        return [Slice(s.log, [], s.seg, s.manifest) for s in of]
+
+    body = object_body(entries(shares), directory(key, created, entries(shares), ids))
+    await retry(f"upload of {key}", lambda: asyncio.wait_for(put_once(store, key, body), cfg.s3_timeout_s))
+    faults.reached("mid-compaction")
+    committed: list[_Share] = []
+
+    async def commit() -> None:
+        """One attempt, under the commit locks of every partition left (taken in
+        one order: nothing else takes more than one)."""
+        async with contextlib.AsyncExitStack() as locks:
+            for s in sorted(shares, key=lambda s: (s.log.topic, s.log.partition)):
+                await locks.enter_async_context(s.log.commit_lock())
+            shares[:] = [s for s in shares if not s.log.closed]  # handed over: its slices stay for the next owner
+            if not shares:
+                return
+            states = [s.log.compacted_state(s.seg) for s in shares]
+            t = time.perf_counter()
+            ok = await meta.commit_shared(fence, seq, directory(key, created, entries(shares), ids),
+                                          [(s.log.topic, s.log.partition, s.log.state_raw(), st, s.manifest)
+                                           for s, st in zip(shares, states, strict=True)])
+            metrics.ETCD_SECONDS.labels(metrics.node()).observe(time.perf_counter() - t)
+            if ok:
+                now = [st.to_json() for st in states]
+            else:  # a partition key moved (or an earlier attempt committed and its reply was lost)
+                got = await asyncio.gather(*(meta.get_partition(s.log.topic, s.log.partition) for s in shares))
+                now = [cur[1] if cur is not None else b"" for cur in got]
+                if not any(raw == st.to_json() for raw, st in zip(now, states, strict=True)):
+                    moved = [s for s, raw in zip(shares, now, strict=True) if raw != s.log.state_raw()]
+                    for s in moved:
+                        log.warning("%s/%d: fenced by a newer owner while compacting", s.log.topic, s.log.partition)
+                        s.log.flush_failed()
+                    shares[:] = [s for s in shares if s not in moved]
+                    raise RuntimeError(f"{len(moved)} partitions moved; committing the others")
+            for s, raw, st in zip(shares, now, states, strict=True):
+                if raw == st.to_json():
+                    s.log.compaction_committed(raw, s.manifest)
+                    committed.append(s)
+                else:  # committed, then taken by a new owner
+                    s.log.flush_failed()
+
+    await retry(f"commit of {key}", commit)
+    if not committed:
+        with contextlib.suppress(Exception):  # else the orphan sweep's, once this fence is gone
+            await store.delete(key)
+        return 0
+    for s in committed:
+        s.log.serve_compacted(s.manifest, s.seg)
+    return len(committed)

@@ -1,0 +1,156 @@
+"""Shared compaction (storage/shared.py) on the in-memory twins of S3 and
+etcd: small partitions' compacted segments in one object and one
+transaction, read back like any segment by a new owner, left out when handed
+over or taken, committed once when a reply is lost, and collected once every
+segment in the object is before its partition's log start."""
+from __future__ import annotations
+
+import asyncio
+
+from kafscale import _native
+from kafscale.storage.partition import PartitionLog
+from kafscale.storage.reader import ReadBudget
+from kafscale.storage.shared import compact_shared
+from kafscale.storage.wal import Collector, shared_prefix
+from tests.unit.test_node_flush import Node
+from tests.unit.test_partition import TOPIC, DictCache, append, batch, run
+
+
+async def values(lg: PartitionLog) -> list[bytes | None]:
+    """The value of every record the log serves, from its first offset."""
+    out, offset = [], lg.log_start
+    while offset < lg.hw:
+        for chunk in await lg.read(offset, 1 << 20):
+            data = bytes(chunk)
+            for b in _native.scan_batches(data, True):
+                out += [v for _, _, _, v, _ in _native.iter_records(b, data)]
+                offset = b.last_offset + 1
+    return out
+
+
+def shared_objects(n: Node) -> list[str]:
+    return [k for k in n.store.objects if k.startswith(shared_prefix("unit"))]
+
+
+def reopen(n: Node, lg: PartitionLog) -> PartitionLog:
+    """A new owner of lg's partition, with an empty cache (it reads S3)."""
+    return PartitionLog(TOPIC, lg.partition, n.cfg, n.store, n.meta, DictCache(), ReadBudget(64 << 20),
+                        lambda _lg, _m: None, lg.node)
+
+
+async def fill(logs: list[PartitionLog], rounds: int = 2) -> None:
+    for r in range(rounds):
+        await asyncio.gather(*(append(lg, batch(b"p%d-r%d" % (lg.partition, r))) for lg in logs))
+
+
+def test_small_partitions_share_one_object_and_one_transaction_and_read_back():
+    async def go():
+        n = Node()
+        flusher, logs = await n.start(partitions=5)
+        await fill(logs)
+        txns = n.etcd.txns
+        committed = await compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, 1, lambda _t: logs[0].node[2])
+        assert committed == 5
+        assert len(shared_objects(n)) == 1, "one object for five partitions"
+        assert n.etcd.txns == txns + 1, "one transaction for five partitions"
+        assert len(await n.meta.wal_keys("shared")) == 1
+        for lg in logs:
+            assert (lg.checkpoint, lg.hw, lg._slice_count) == (2, 2, 0)
+            [m] = await n.meta.list_segments(TOPIC, lg.partition)
+            assert m.key == shared_objects(n)[0] and m.pos >= 0 and (m.base, m.last) == (0, 1)
+        for lg in logs:  # a new owner reads the segment from the shared object, at its position
+            await lg.close()
+            again = reopen(n, lg)
+            await again.open()
+            assert (again.hw, again._slice_count) == (2, 0)
+            assert await values(again) == [b"p%d-r0" % lg.partition, b"p%d-r1" % lg.partition]
+            assert await append(again, batch(b"more")) == 2
+            await again.close()
+        await flusher.stop()
+
+    run(go())
+
+
+def test_the_collector_keeps_a_shared_object_until_every_segment_is_before_its_log_start():
+    async def go():
+        n = Node()
+        flusher, logs = await n.start(partitions=3)
+        await fill(logs)
+        await compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, 1, lambda _t: logs[0].node[2])
+        collector = Collector(n.meta, n.store, "unit")
+        assert await collector.run() == 2, "the two node objects are compacted away; the shared one stays"
+        assert len(await n.meta.wal_keys("shared")) == 1
+        await logs[0].delete_records(2)
+        await logs[1].delete_records(2)
+        assert await collector.run() == 0, "partition 2's segment is still served"
+        assert await values(logs[2]) == [b"p2-r0", b"p2-r1"]
+        await logs[2].delete_records(1)
+        assert await collector.run() == 0, "partition 2's segment still holds offset 1"
+        await logs[2].delete_records(2)
+        assert await collector.run() == 1 and await n.meta.wal_keys("shared") == []
+        await flusher.stop()
+
+    run(go())
+
+
+def test_a_partition_handed_over_or_taken_meanwhile_is_left_out():
+    """Partition 0 is closed (handed over) while the object uploads: its slices
+    stay for the next owner. Partition 1 is claimed by another owner: its key
+    moved, so the first transaction fails, partition 1 fails like a fenced
+    log, and partitions 2 and 3 commit in the second."""
+    async def go():
+        n = Node()
+        flusher, logs = await n.start(partitions=4)
+        await fill(logs)
+        gate, real_put = asyncio.Event(), n.store.put
+
+        async def put(key: str, *args, **kwargs):
+            if key.startswith(shared_prefix("unit")):
+                await gate.wait()
+            return await real_put(key, *args, **kwargs)
+
+        n.store.put = put  # type: ignore[method-assign]
+        task = asyncio.create_task(compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, 1,
+                                                  lambda _t: logs[0].node[2]))
+        await asyncio.sleep(0.01)
+        await logs[0].close()
+        await logs[0].release_fence()
+        await n.meta.claim_partition(TOPIC, 1, 2)
+        gate.set()
+        assert await task == 2
+        assert logs[1].closed, "fenced"
+        [raw] = [v for _, v in await n.meta.wal_directories("shared")]
+        assert '"partition":0' not in raw.decode() and '"partition":1' not in raw.decode()
+        states = await n.meta.partition_states()
+        assert [states[(TOPIC, p)].hw for p in range(4)] == [0, 0, 2, 2]
+        again = reopen(n, logs[0])
+        await again.open()
+        assert await values(again) == [b"p0-r0", b"p0-r1"], "from the node objects"
+        await again.close()
+        await flusher.stop()
+
+    run(go())
+
+
+def test_a_lost_reply_commits_once():
+    async def go():
+        n = Node()
+        flusher, logs = await n.start(partitions=2)
+        await fill(logs)
+        real, calls = n.meta.commit_shared, []
+
+        async def lost_reply(*args):
+            calls.append(args)
+            ok = await real(*args)
+            if len(calls) == 1:
+                raise OSError("connection reset")
+            return ok
+
+        n.meta.commit_shared = lost_reply  # type: ignore[method-assign]
+        assert await compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, 1, lambda _t: logs[0].node[2]) == 2
+        assert len(calls) == 2 and not any(lg.closed for lg in logs)
+        assert [lg.checkpoint for lg in logs] == [2, 2] and len(shared_objects(n)) == 1
+        assert await values(logs[1]) == [b"p1-r0", b"p1-r1"]
+        await flusher.stop()
+
+    run(go())
