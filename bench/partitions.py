@@ -13,7 +13,9 @@ seconds for every acknowledgement. Counted by the servers themselves from their
 acknowledged: S3 PUTs/s (SeaweedFS), etcd transactions/s; after the run, the
 etcd keys the run added and etcd's DB size. From the producer: ack latency
 p50/p99 (produce() to delivery report) and how many records were
-acknowledged. From /proc: the broker's CPU (all its processes) and the log
+acknowledged; then how long until every node object is compacted away
+(its wal/ key gone: the collector looks every half compaction lag, so this
+is the lag, 10 s, plus up to 5 s at best). From /proc: the broker's CPU (all its processes) and the log
 process's peak RSS. From the broker's own /metrics, where an acknowledgement's
 time goes: Produce request p50/p99/max (arrival to response, in the workers),
 node object PUT, etcd commit and how late the log process's event loop runs
@@ -54,6 +56,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from bench.e2e import CpuMeter, broker_children, pct, put_latencies, start_broker
 from kafscale.devstack import DevStack, free_port
 from kafscale.metadata.etcd_client import EtcdClient
+from kafscale.metadata.store import MetaStore
 
 LINGER_MS = 5
 RECORD = 1024
@@ -74,6 +77,24 @@ async def etcd_txn_latencies(stack: DevStack, n: int = 300) -> list[float]:
     finally:
         await client.close()
     return sorted(out)
+
+
+def compacted_s(stack: DevStack, cluster: str, limit: float) -> float:
+    """Seconds until no node object of the cluster is left (every slice compacted); inf past limit."""
+    async def left() -> int:
+        meta = MetaStore(stack.etcd_endpoint, cluster)
+        await meta.start()
+        try:
+            return len(await meta.wal_keys())
+        finally:
+            await meta.close()
+
+    t0 = time.perf_counter()
+    while asyncio.run(left()):
+        if time.perf_counter() - t0 > limit:
+            return float("inf")
+        time.sleep(0.5)
+    return time.perf_counter() - t0
 
 
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
@@ -154,6 +175,7 @@ class Run:
     broker_ms: dict[str, tuple[float, float, float]]  # BROKER_HISTOGRAMS column -> (p50, p99, max) in ms
     etcd_ms: dict[str, tuple[float, float, float]]  # ETCD_HISTOGRAMS column -> (p50, p99, max) in ms
     produce_requests: float
+    compacted_s: float  # from the last acknowledgement until every node object is compacted away
 
     def per_s(self, what: str) -> float:
         return getattr(self, what) / self.seconds
@@ -229,13 +251,14 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
         broker_ms = stage_ms(hist, hist_end)
         etcd_ms = stage_ms(disk, histogram_buckets(etcd_url, ETCD_HISTOGRAMS))
         requests = hist_end["produce"].get(float("inf"), 0) - hist["produce"].get(float("inf"), 0)
+        compacted = compacted_s(stack, cluster, drain)
         peak = rss_kib(log_process, "VmHWM") / 1024
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     return Run(mode, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"],
                end["txns"] - start["txns"], end["keys"] - start["keys"], end["db"] / (1 << 20), lat,
-               cpu.cores["broker"], peak, idle, open_s, broker_ms, etcd_ms, requests)
+               cpu.cores["broker"], peak, idle, open_s, broker_ms, etcd_ms, requests, compacted)
 
 
 def report(runs: list[Run], bound: float) -> None:
@@ -245,7 +268,8 @@ def report(runs: list[Run], bound: float) -> None:
         print(f"\n{mode} flushes: {rate} records/s of {RECORD} B offered, acks=all, linger {LINGER_MS} ms "
               f"(ratio to P = {base.partitions} in brackets)")
         print(f"{'P':>6} {'acked':>13} {'S3 PUT/s':>15} {'etcd txn/s':>15} {'ack p50 ms':>17} {'ack p99 ms':>17} "
-              f"{'CPU cores':>12} {'log RSS MiB':>14} {'+etcd keys':>11} {'idle KiB/p':>10} {'open s':>7}")
+              f"{'CPU cores':>12} {'log RSS MiB':>14} {'+etcd keys':>11} {'idle KiB/p':>10} {'open s':>7} "
+              f"{'compacted s':>15}")
         for r in rows:
             def cell(v: float, b: float, fmt: str = ".0f") -> str:
                 return f"{v:{fmt}} ({v / b:.2f})" if b else f"{v:{fmt}}"
@@ -255,7 +279,7 @@ def report(runs: list[Run], bound: float) -> None:
                   f"{cell(r.per_s('txns'), base.per_s('txns')):>15} {cell(p50, b50, '.1f'):>17} "
                   f"{cell(p99, b99, '.1f'):>17} {cell(r.cpu, base.cpu, '.2f'):>12} "
                   f"{cell(r.peak_rss_mib, base.peak_rss_mib):>14} {r.keys:>11.0f} {r.idle_kib_per_partition:>10.1f} "
-                  f"{r.open_s:>7.1f}")
+                  f"{r.open_s:>7.1f} {cell(r.compacted_s, base.compacted_s, '.1f'):>15}")
             stages = ", ".join(f"{col} {p50:g}/{p99:g}/{top:g}" for col, (p50, p99, top) in r.broker_ms.items())
             print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s; p50/p99/max ms: "
                   f"{stages}")
