@@ -11,7 +11,7 @@ from kafscale import _native
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import ReadBudget
 from kafscale.storage.shared import compact_shared
-from kafscale.storage.wal import Collector, shared_prefix
+from kafscale.storage.wal import Collector, NodeFlusher, shared_prefix
 from tests.unit.test_node_flush import Node
 from tests.unit.test_partition import TOPIC, DictCache, append, batch, run
 
@@ -38,6 +38,12 @@ def reopen(n: Node, lg: PartitionLog) -> PartitionLog:
                         lambda _lg, _m: None, lg.node)
 
 
+def share(n: Node, flusher: NodeFlusher, logs: list[PartitionLog]) -> asyncio.Future[int]:
+    """compact_shared of these logs into shared object 1 of the flusher's fence."""
+    topic_id = logs[0].node[2]
+    return asyncio.ensure_future(compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, 1, lambda _t: topic_id))
+
+
 async def fill(logs: list[PartitionLog], rounds: int = 2) -> None:
     for r in range(rounds):
         await asyncio.gather(*(append(lg, batch(b"p%d-r%d" % (lg.partition, r))) for lg in logs))
@@ -49,7 +55,7 @@ def test_small_partitions_share_one_object_and_one_transaction_and_read_back():
         flusher, logs = await n.start(partitions=5)
         await fill(logs)
         txns = n.etcd.txns
-        committed = await compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, 1, lambda _t: logs[0].node[2])
+        committed = await share(n, flusher, logs)
         assert committed == 5
         assert len(shared_objects(n)) == 1, "one object for five partitions"
         assert n.etcd.txns == txns + 1, "one transaction for five partitions"
@@ -76,7 +82,7 @@ def test_the_collector_keeps_a_shared_object_until_every_segment_is_before_its_l
         n = Node()
         flusher, logs = await n.start(partitions=3)
         await fill(logs)
-        await compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, 1, lambda _t: logs[0].node[2])
+        await share(n, flusher, logs)
         collector = Collector(n.meta, n.store, "unit")
         assert await collector.run() == 2, "the two node objects are compacted away; the shared one stays"
         assert len(await n.meta.wal_keys("shared")) == 1
@@ -110,8 +116,7 @@ def test_a_partition_handed_over_or_taken_meanwhile_is_left_out():
             return await real_put(key, *args, **kwargs)
 
         n.store.put = put  # type: ignore[method-assign]
-        task = asyncio.create_task(compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, 1,
-                                                  lambda _t: logs[0].node[2]))
+        task = share(n, flusher, logs)
         await asyncio.sleep(0.01)
         await logs[0].close()
         await logs[0].release_fence()
@@ -147,7 +152,7 @@ def test_a_lost_reply_commits_once():
             return ok
 
         n.meta.commit_shared = lost_reply  # type: ignore[method-assign]
-        assert await compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, 1, lambda _t: logs[0].node[2]) == 2
+        assert await share(n, flusher, logs) == 2
         assert len(calls) == 2 and not any(lg.closed for lg in logs)
         assert [lg.checkpoint for lg in logs] == [2, 2] and len(shared_objects(n)) == 1
         assert await values(logs[1]) == [b"p1-r0", b"p1-r1"]
