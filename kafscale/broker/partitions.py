@@ -476,7 +476,8 @@ class PartitionRegistry:
                 if not due:
                     await asyncio.sleep(COMPACTION_CHECK_S)
                     continue
-                batches = compaction_batches(due[:math.ceil(len(due) / spread)])  # spread >= 1: at most all
+                batches = compaction_batches(due[:math.ceil(len(due) / spread)],  # spread >= 1: at most all
+                                             self.cfg.shared_compaction)
                 for logs, shared in batches:
                     await slots.acquire()
                     if logs := [lg for lg in logs if not lg.closed]:
@@ -569,17 +570,17 @@ class PartitionApi:
         return None
 
 
-def compaction_batches(due: list[PartitionLog]) -> list[tuple[list[PartitionLog], bool]]:
+def compaction_batches(due: list[PartitionLog], shared: bool) -> list[tuple[list[PartitionLog], bool]]:
     """The compactions to start for these due logs (oldest first), each with
-    whether it is shared: a log whose segment would be larger than
-    SHARED_SEGMENT_BYTES alone, the others in shared objects of about equal
+    whether it is shared: without shared compaction each alone; with it, a
+    log whose segment would be larger than SHARED_SEGMENT_BYTES alone, the others in shared objects of about equal
     size, each of at most SHARED_PARTITIONS partitions and about
     SHARED_OBJECT_BYTES (a shared object of one is compacted on its own)."""
     out: list[tuple[list[PartitionLog], bool]] = []
     small: list[tuple[PartitionLog, int]] = []
     for lg in due:
         n = lg.compaction_bytes()
-        if n > SHARED_SEGMENT_BYTES:
+        if not shared or n > SHARED_SEGMENT_BYTES:
             out.append(([lg], False))
         else:
             small.append((lg, n))

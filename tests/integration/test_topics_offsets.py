@@ -266,7 +266,7 @@ def test_segments_cli_shows_small_partitions_compacted_into_one_shared_object(ma
     """Four partitions written in one Produce request fall due for compaction
     together: their segments share one object, which `segments ls` lists
     (KEY#POS per partition) and `segments dump` decodes."""
-    b = make_broker(compaction_lag_ms=1000)
+    b = make_broker(compaction_lag_ms=1000, shared_compaction="true")
     create_topic(b.bootstrap, topic_name, partitions=4)
     p = Producer({"bootstrap.servers": b.bootstrap, "acks": "all", "linger.ms": 200})
     for part in range(4):
