@@ -573,9 +573,10 @@ class PartitionApi:
 def compaction_batches(due: list[PartitionLog], shared: bool) -> list[tuple[list[PartitionLog], bool]]:
     """The compactions to start for these due logs (oldest first), each with
     whether it is shared: without shared compaction each alone; with it, a
-    log whose segment would be larger than SHARED_SEGMENT_BYTES alone, the others in shared objects of about equal
-    size, each of at most SHARED_PARTITIONS partitions and about
-    SHARED_OBJECT_BYTES (a shared object of one is compacted on its own)."""
+    log whose segment would be larger than SHARED_SEGMENT_BYTES alone, the
+    others in shared objects of about equal size, each of at most
+    SHARED_PARTITIONS partitions and about SHARED_OBJECT_BYTES (the caller
+    compacts a shared object of one on its own)."""
     out: list[tuple[list[PartitionLog], bool]] = []
     small: list[tuple[PartitionLog, int]] = []
     for lg in due:

@@ -27,29 +27,18 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kafscale import faults, metrics
 from kafscale.config import Config
-from kafscale.metadata.store import SHARED_PARTITIONS, MetaStore, SegmentManifest
+from kafscale.metadata.store import SHARED_PARTITIONS, MetaStore
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import PartitionLog
-from kafscale.storage.segment import BuiltSegment
-from kafscale.storage.wal import Slice, directory, object_body, put_once, retry, shared_key
+from kafscale.storage.wal import Slice, directory, object_body, retry, shared_key, upload
 
 log = logging.getLogger(__name__)
 
 SHARED_SEGMENT_BYTES = 1 << 20  # a compaction of at most this many bytes goes into a shared object
 SHARED_OBJECT_BYTES = 8 << 20  # a shared object is cut at about this size (or SHARED_PARTITIONS partitions)
-
-
-@dataclass
-class _Share:
-    """One partition's part of a shared object."""
-    log: PartitionLog
-    slices: list[SegmentManifest]  # the committed slices it replaces
-    seg: BuiltSegment
-    manifest: SegmentManifest
 
 
 async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectStore, meta: MetaStore, fence: str,
@@ -60,7 +49,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
     assert len(logs) <= SHARED_PARTITIONS
     key = shared_key(cfg.namespace, fence, seq)
     created = int(time.time() * 1000)
-    shares: list[_Share] = []
+    shares: list[Slice] = []  # one per partition, with no batches of its own (they are committed already)
     ids: dict[str, bytes] = {}
     pos = 0
     for lg in logs:
@@ -70,18 +59,15 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
             continue
         ids[lg.topic] = tid
         slices, seg = built
-        shares.append(_Share(lg, slices, seg, lg.compacted_manifest(slices, seg, key, pos)))
+        shares.append(Slice(lg, [], seg, lg.compacted_manifest(slices, seg, key, pos)))
         pos += len(seg.data)
     if not shares:
         return 0
 
-    def entries(of: list[_Share]) -> list[Slice]:
-        return [Slice(s.log, [], s.seg, s.manifest) for s in of]
-
-    body = object_body(entries(shares), directory(key, created, entries(shares), ids))
-    await retry(f"upload of {key}", lambda: asyncio.wait_for(put_once(store, key, body), cfg.s3_timeout_s))
+    body = object_body(shares, directory(key, created, shares, ids))
+    await upload(store, key, body, cfg.s3_timeout_s)
     faults.reached("mid-compaction")
-    committed: list[_Share] = []
+    committed: list[Slice] = []
 
     async def commit() -> None:
         """One attempt, under the commit locks of every partition left (taken in
@@ -94,7 +80,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
                 return
             states = [s.log.compacted_state(s.seg) for s in shares]
             t = time.perf_counter()
-            ok = await meta.commit_shared(fence, seq, directory(key, created, entries(shares), ids),
+            ok = await meta.commit_shared(fence, seq, directory(key, created, shares, ids),
                                           [(s.log.topic, s.log.partition, s.log.state_raw(), st, s.manifest)
                                            for s, st in zip(shares, states, strict=True)])
             metrics.ETCD_SECONDS.labels(metrics.node()).observe(time.perf_counter() - t)

@@ -74,7 +74,9 @@ def shared_key(namespace: str, fence: str, seq: int) -> str:
 @dataclass
 class Slice:
     """One partition's part of a node object: its batches, the segment built of
-    them and that segment's manifest (naming the object and the slice's position)."""
+    them and that segment's manifest (naming the object and the slice's
+    position). In a shared segment object the segment is compacted from
+    committed slices: no batches of its own are waiting for it."""
     log: PartitionLog
     items: list[_Pending]
     seg: BuiltSegment
@@ -99,14 +101,18 @@ def object_body(slices: list[Slice], dir_raw: bytes) -> bytearray:
     return bytearray().join([*(s.seg.data for s in slices), dir_raw, NODE_TRAILER.pack(len(dir_raw), NODE_MAGIC)])
 
 
-async def put_once(store: ObjectStore, key: str, body: bytearray) -> None:
-    """Upload an object under a key of our fence (If-None-Match): one that
-    exists with this size is our own earlier attempt whose reply was lost."""
-    try:
-        await store.put(key, body)
-    except ObjectExists:
-        if await store.size(key) != len(body):
-            raise Fenced(f"{key} exists with other content") from None
+async def upload(store: ObjectStore, key: str, body: bytearray, timeout_s: float) -> None:
+    """Upload an object under a key of our fence (If-None-Match), each attempt
+    at most timeout_s, until it is there (retry): one that exists with this
+    size is our own earlier attempt whose reply was lost."""
+    async def put_once() -> None:
+        try:
+            await store.put(key, body)
+        except ObjectExists:
+            if await store.size(key) != len(body):
+                raise Fenced(f"{key} exists with other content") from None
+
+    await retry(f"upload of {key}", lambda: asyncio.wait_for(put_once(), timeout_s))
 
 
 def node_directory(data: bytes | bytearray) -> dict[str, Any]:
@@ -339,8 +345,7 @@ class NodeFlusher:
             body = object_body(slices, dir_raw)
             metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(body))
             faults.reached("before-upload")
-            await retry(f"upload of {key}", lambda: asyncio.wait_for(put_once(self.store, key, body),
-                                                                      self.cfg.s3_timeout_s))
+            await upload(self.store, key, body, self.cfg.s3_timeout_s)
             faults.reached("after-upload")
         except Exception as exc:
             self._fail(exc)
