@@ -232,8 +232,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
     cluster = f"p{partitions}r{rate}{uuid.uuid4().hex[:4]}"
     admin = f"127.0.0.1:{free_port()}"
     proc, bootstrap = start_broker(stack, logdir, cluster, linger_ms=str(LINGER_MS),
-                                   node_flush=str(mode == "node").lower(), shared_compaction="true",
-                                   admin_listen=admin)
+                                   node_flush=str(mode == "node").lower(), admin_listen=admin)
     try:
         log_process, *_ = broker_children(proc.pid)
         topic = "scale"

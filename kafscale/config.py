@@ -64,9 +64,9 @@ class Config:
                             "(else after linger_ms)")
     compaction_lag_ms: int = _opt(10_000, "node flush: a partition's node object slices are compacted into a "
                                   "segment once the oldest is this old (or they reach segment.bytes)")
-    shared_compaction: bool = _opt(False, "node flush: small partitions due together are compacted into one "
-                                   "shared object (one PUT and one etcd transaction for up to 63); off by "
-                                   "default while the Spark source's bucket listing (no etcd) cannot read them")
+    shared_compaction: bool = _opt(True, "node flush: small partitions due together are compacted into one "
+                                   "shared object (one PUT and one etcd transaction for up to 63) instead of "
+                                   "one .kfs each")
     multipart_threshold: int = _opt(16 * 1024 * 1024, "segments above this size upload as multipart")
     cache_bytes: int = _opt(256 * 1024 * 1024, "shared-memory cache of recent segments that workers serve Fetch from")
     s3_timeout_s: int = _opt(30, "longest one attempt at uploading a segment may take before it is retried")

@@ -7,10 +7,11 @@ Used by the Spark data source (kafscale.spark.source) and the Iceberg
 processor; nothing here imports pyspark."""
 from __future__ import annotations
 
+import asyncio
 import bisect
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,9 @@ from kafscale.storage.segment import (
     parse_index,
     parse_segment_key,
 )
-from kafscale.storage.wal import by_partition, continuing
+from kafscale.storage.wal import by_partition, continuing, read_node_directory, shared_prefix
+
+LISTING_READS = 32  # shared segment object directories a listing reads at once
 
 
 @dataclass(frozen=True)
@@ -139,33 +142,63 @@ def _segment(p: int, m: SegmentManifest) -> Segment:
 
 
 async def _from_listing(opts: StoreOptions, topic: str) -> dict[int, tuple[list[Segment], int, int]]:
-    """Segments found by listing the bucket. A segment that an old owner wrote
-    but never committed can share its base offset with the new owner's: the
-    higher epoch in the key wins. A segment's last offset is the next one's
-    base minus one; only the newest segment's footer is read."""
-    found: dict[int, dict[int, tuple[int, str, int]]] = {}
+    """Segments found by listing the bucket: the topic's own .kfs objects and
+    its segments in shared segment objects (from their directories).
+
+    Which of them are committed only etcd knows, but every leftover of an
+    owner that crashed or was fenced between upload and commit starts at a
+    committed segment's base offset, and the distinct base offsets chain: a
+    segment at one base ends where the next base begins. At each base the
+    listing takes a shared segment that reaches that far (its last offset is in
+    its directory; with node flushes any segment holding an offset holds the
+    same record there), else the .kfs with the highest epoch in its key (a
+    later owner's, when node flushes are off and a leftover may hold other
+    records). Only the newest segment's end is read: from its directory, or
+    from the .kfs footer."""
+    own: dict[int, dict[int, tuple[int, str, int]]] = {}  # partition: base: (epoch, key, size)
+    shared: dict[int, dict[int, list[Segment]]] = {}
     async with opts.store() as store:
         for obj in await store.list(f"{opts.namespace}/{topic}/"):
             k = parse_segment_key(obj["Key"])
             if k is None or k.kind != "kfs" or not obj["Key"].startswith(f"{opts.namespace}/{topic}/"):
                 continue
-            p, base, epoch = k.partition, k.base_offset, k.epoch
-            cur = found.setdefault(p, {}).get(base)
-            if cur is None or epoch > cur[0]:
-                found[p][base] = (epoch, obj["Key"], int(obj["Size"]))
+            cur = own.setdefault(k.partition, {}).get(k.base_offset)
+            if cur is None or k.epoch > cur[0]:
+                own[k.partition][k.base_offset] = (k.epoch, obj["Key"], int(obj["Size"]))
+        for s in await _shared_segments(store, opts.namespace, topic):
+            shared.setdefault(s.partition, {}).setdefault(s.base, []).append(s)
         out = {}
-        for p, by_base in found.items():
-            bases = sorted(by_base)
+        for p in own.keys() | shared.keys():
+            bases = sorted(own.get(p, {}).keys() | shared.get(p, {}).keys())
             segs = []
             for i, base in enumerate(bases):
-                _, key, size = by_base[base]
-                if i + 1 < len(bases):
-                    last = bases[i + 1] - 1
-                else:
-                    last = FOOTER.unpack(await store.get(key, size - FOOTER_SIZE, size))[1]
-                segs.append(Segment(p, key, base, last, size))
+                end = bases[i + 1] - 1 if i + 1 < len(bases) else None
+                options = list(shared.get(p, {}).get(base, []))
+                if base in own.get(p, {}):
+                    _, key, size = own[p][base]
+                    last = end if end is not None else FOOTER.unpack(await store.get(key, size - FOOTER_SIZE,
+                                                                                     size))[1]
+                    options.append(Segment(p, key, base, last, size))
+                # the one reaching furthest (up to the next base); of those a shared one, whose end is known
+                best = max(options, key=lambda s: (s.last if end is None else min(s.last, end), s.pos >= 0))
+                segs.append(best if end is None or best.last <= end else replace(best, last=end))
             out[p] = (segs, bases[0], segs[-1].last + 1)
         return out
+
+
+async def _shared_segments(store: ObjectStore, namespace: str, topic: str) -> list[Segment]:
+    """The topic's segments in every shared segment object in the bucket, as
+    their directories (read with two ranged GETs each, LISTING_READS at once)
+    name them."""
+    objects = await store.list(shared_prefix(namespace))
+    found: list[Segment] = []
+    for at in range(0, len(objects), LISTING_READS):
+        dirs = await asyncio.gather(*(read_node_directory(store, o["Key"], int(o["Size"]))
+                                      for o in objects[at:at + LISTING_READS]))
+        for o, d in zip(objects[at:at + LISTING_READS], dirs, strict=True):
+            found.extend(Segment(s["partition"], o["Key"], s["base"], s["last"], s["size"], s["min_ts"], s["max_ts"],
+                                 s["pos"]) for s in d["slices"] if s["topic"] == topic)
+    return found
 
 
 def parse_offsets(spec: str | None, topic: str, default: int) -> dict[int, int] | int:

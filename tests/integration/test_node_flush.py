@@ -174,7 +174,7 @@ def test_three_clients_on_a_thousand_partitions_one_object_per_flush(make_broker
 
 
 def test_compaction_rewrites_slices_into_segments_and_forgets_node_objects(make_broker, stack, topic_name):
-    b = make_broker(node_flush="true", compaction_lag_ms=500, shared_compaction="true")
+    b = make_broker(node_flush="true", compaction_lag_ms=500)
     partitions = 20
     create_topic(b.bootstrap, topic_name, partitions=partitions)
     recs = [(i % partitions, f"v{i}".encode()) for i in range(2000)]
@@ -221,7 +221,7 @@ def test_sigkill_keeps_every_acknowledged_record(make_broker, stack, topic_name,
     partitions = 50
     nth = random.randint(2, 6) if when == "mid-compaction" else random.randint(20, 60)  # flushes: ~100/s
     crash = {} if when == "mid-produce" else {"crash_at": f"{when}:{nth}"}
-    b = make_broker(node_flush="true", compaction_lag_ms=1000, shared_compaction="true", **crash)
+    b = make_broker(node_flush="true", compaction_lag_ms=1000, **crash)
     create_topic(b.bootstrap, topic_name, partitions=partitions)
     p = Producer({"bootstrap.servers": b.bootstrap, "acks": "all", "linger.ms": 5, "retries": 0,
                   "message.timeout.ms": 5000})

@@ -2,6 +2,7 @@
 broker wrote to a real SeaweedFS, with Spark in local mode."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from datetime import UTC, datetime
 import pytest
 
 from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
+from kafscale.storage import scan
 from tests.conftest import BrokerProcess
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic, sample_records
 from tests.integration.s3log import S3RequestLog
@@ -71,7 +73,8 @@ def rows_by_position(df) -> dict[tuple[int, int], tuple]:
 def test_reads_every_record_with_mixed_codecs(spark, broker, topic_name):
     """Every record produced through the broker comes back from the segments
     with its key, value, offset, timestamp and headers, whatever the codec,
-    planned from etcd or from an S3 listing, in whole segments or in slices."""
+    planned from etcd or from an S3 listing (the two partitions' small
+    segments share objects)."""
     create_topic(broker.bootstrap, topic_name, partitions=2, config=KEEP)
     want: dict[tuple[int, int], tuple] = {}
     for i, codec in enumerate(CODECS):
@@ -87,20 +90,17 @@ def test_reads_every_record_with_mixed_codecs(spark, broker, topic_name):
     fresh = source(spark, broker, topic_name, endpoint)  # as acknowledged: mostly node object slices
     assert fresh.columns == ["key", "value", "topic", "partition", "offset", "timestamp", "timestampType", "headers"]
     assert rows_by_position(fresh) == want
-    # once compacted: whole segments, found in etcd or (without etcd) by listing S3, or cut at index entries
+    # once compacted: segments, found in etcd or (without etcd) by listing S3
     compacted(broker)
     whole = source(spark, broker, topic_name, endpoint)
     assert rows_by_position(whole) == want
     listed = source(spark, broker, topic_name, endpoint, etcd=False)
     assert rows_by_position(listed) == want
-    sliced = source(spark, broker, topic_name, endpoint, maxBytesPerPartition=8192)
-    assert sliced.rdd.getNumPartitions() > whole.rdd.getNumPartitions()
-    assert rows_by_position(sliced) == want
     codecs_seen = set()
     from kafscale import _native
 
-    for key in segment_keys(broker, topic_name):
-        data = get_object(broker, key)
+    for seg in committed_segments(broker, topic_name):  # own .kfs objects and segments in shared objects
+        data = get_object(broker, seg.key)[seg.start:seg.start + seg.size]
         codecs_seen |= {_native.CODEC_NAMES[b.compression] for b in _native.scan_batches(data[32:-16])}
     assert codecs_seen == set(CODECS), "every codec reached the segments"
 
@@ -109,6 +109,32 @@ def segment_keys(broker, topic: str) -> list[str]:
     pages = broker.stack.s3_client().get_paginator("list_objects_v2").paginate(Bucket=broker.stack.bucket,
                                                                          Prefix=f"{broker.cluster}/{topic}/")
     return sorted(o["Key"] for page in pages for o in page.get("Contents", []) if o["Key"].endswith(".kfs"))
+
+
+def test_large_segments_are_read_in_slices_cut_at_index_entries(spark, broker, topic_name):
+    """A segment bigger than maxBytesPerPartition is read by several tasks,
+    each from an index entry (a batch boundary), planned from etcd or from a
+    listing; together they return every record once."""
+    create_topic(broker.bootstrap, topic_name, config=KEEP)
+    recs = [Rec(b"k%d" % i, os.urandom(1024)) for i in range(2500)]  # 2.5 MiB: more than a shared segment holds
+    ts = [T0 + i for i in range(len(recs))]
+    offsets = confluent_produce(broker.bootstrap, topic_name, recs, timestamps=ts)
+    want = {(0, o): (topic_name, r.key, r.value, t, 0, ()) for o, r, t in zip(offsets, recs, ts, strict=True)}
+    compacted(broker)
+    assert all(s.pos == -1 for s in committed_segments(broker, topic_name)), "segment objects of its own"
+    whole = source(spark, broker, topic_name, broker.stack.s3_endpoint)
+    for etcd in (True, False):
+        sliced = source(spark, broker, topic_name, broker.stack.s3_endpoint, etcd=etcd,
+                        maxBytesPerPartition=256 << 10)
+        assert sliced.rdd.getNumPartitions() > whole.rdd.getNumPartitions()
+        assert rows_by_position(sliced) == want
+
+
+def committed_segments(broker, topic: str) -> list[scan.Segment]:
+    """Every partition's segments, as their manifests in etcd name them."""
+    opts = scan.StoreOptions(broker.stack.bucket, broker.cluster, broker.stack.s3_endpoint, None, DEV_ACCESS_KEY,
+                             DEV_SECRET_KEY, broker.stack.etcd_endpoint, broker.cluster)
+    return [s for segs, _, _ in asyncio.run(scan.list_segments(opts, topic)).values() for s in segs]
 
 
 def get_object(broker, key: str) -> bytes:

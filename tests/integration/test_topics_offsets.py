@@ -70,21 +70,24 @@ def test_create_topic_errors(make_broker, topic_name):
 
 
 def test_delete_topic_removes_objects_and_keys(make_broker, topic_name, stack):
-    """Its segments and keys at once; the node objects that held its records once they hold nothing else."""
+    """Its segments and keys at once; the node objects and shared segment objects
+    that held its records once they hold nothing else."""
     b = make_broker(compaction_lag_ms=300)
     create_topic(b.bootstrap, topic_name, partitions=2)
     confluent_produce(b.bootstrap, topic_name, sample_records(20, "a"), partition=0)
     confluent_produce(b.bootstrap, topic_name, sample_records(20, "b"), partition=1)
     assert etcd_keys(stack, f"/kafscale/{b.cluster}/wal/")  # in node objects first
-    wait_for(lambda: len([k for k in s3_keys(stack, f"{b.cluster}/{topic_name}/") if k.endswith(".kfs")]) == 2,
-             30, "compaction into a segment per partition")
+    wait_for(lambda: len(etcd_keys(stack, f"/kafscale/{b.cluster}/segments/{topic_name}/")) == 2, 30,
+             "compaction into a segment per partition")
     confluent_produce(b.bootstrap, topic_name, sample_records(5, "c"), partition=0)  # and some not compacted
     assert any(topic_name.encode() in k for k in etcd_keys(stack, f"/kafscale/{b.cluster}/"))
     admin = AdminClient({"bootstrap.servers": b.bootstrap})
     admin.delete_topics([topic_name])[topic_name].result(30)
     assert s3_keys(stack, f"{b.cluster}/{topic_name}/") == []
     assert not any(topic_name.encode() in k for k in etcd_keys(stack, f"/kafscale/{b.cluster}/"))
-    wait_for(lambda: not etcd_keys(stack, f"/kafscale/{b.cluster}/wal/"), 30, "the node objects to be forgotten")
+    for area in ("wal", "shared"):  # node objects, and a shared object the two partitions' segments went to
+        wait_for(lambda a=area: not etcd_keys(stack, f"/kafscale/{b.cluster}/{a}/"), 30, f"the {area} objects to be "
+                 "forgotten")
     assert topic_name not in admin.list_topics(timeout=10).topics
     # the name can be reused and starts again at offset 0 with only new data
     create_topic(b.bootstrap, topic_name)
@@ -266,7 +269,7 @@ def test_segments_cli_shows_small_partitions_compacted_into_one_shared_object(ma
     """Four partitions written in one Produce request fall due for compaction
     together: their segments share one object, which `segments ls` lists
     (KEY#POS per partition) and `segments dump` decodes."""
-    b = make_broker(compaction_lag_ms=1000, shared_compaction="true")
+    b = make_broker(compaction_lag_ms=1000)
     create_topic(b.bootstrap, topic_name, partitions=4)
     p = Producer({"bootstrap.servers": b.bootstrap, "acks": "all", "linger.ms": 200})
     for part in range(4):

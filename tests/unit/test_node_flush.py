@@ -295,8 +295,7 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
 
     async def go():
         n = Node()
-        n.cfg = Config(node_id=1, namespace="unit", linger_ms=1, node_flush=True, compaction_lag_ms=200,
-                       shared_compaction=True)
+        n.cfg = Config(node_id=1, namespace="unit", linger_ms=1, node_flush=True, compaction_lag_ms=200)
         await n.meta.create_topic(TOPIC, 10, {})
         reg = registry.PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
         await reg.start(await n.etcd.lease(60))

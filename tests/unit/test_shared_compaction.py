@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 
 from kafscale import _native
+from kafscale.storage import scan
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import ReadBudget
+from kafscale.storage.segment import build_segment, segment_key
 from kafscale.storage.shared import compact_shared
 from kafscale.storage.wal import Collector, NodeFlusher, shared_prefix
 from tests.unit.test_node_flush import Node
@@ -38,10 +40,11 @@ def reopen(n: Node, lg: PartitionLog) -> PartitionLog:
                         lambda _lg, _m: None, lg.node)
 
 
-def share(n: Node, flusher: NodeFlusher, logs: list[PartitionLog]) -> asyncio.Future[int]:
-    """compact_shared of these logs into shared object 1 of the flusher's fence."""
+def share(n: Node, flusher: NodeFlusher, logs: list[PartitionLog], seq: int = 1) -> asyncio.Future[int]:
+    """compact_shared of these logs into shared object seq of the flusher's fence."""
     topic_id = logs[0].node[2]
-    return asyncio.ensure_future(compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, 1, lambda _t: topic_id))
+    return asyncio.ensure_future(compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, seq,
+                                                lambda _t: topic_id))
 
 
 async def fill(logs: list[PartitionLog], rounds: int = 2) -> None:
@@ -156,6 +159,36 @@ def test_a_lost_reply_commits_once():
         assert len(calls) == 2 and not any(lg.closed for lg in logs)
         assert [lg.checkpoint for lg in logs] == [2, 2] and len(shared_objects(n)) == 1
         assert await values(logs[1]) == [b"p1-r0", b"p1-r1"]
+        await flusher.stop()
+
+    run(go())
+
+
+def test_a_bucket_listing_chains_shared_segments_with_leftover_kfs_objects(monkeypatch):
+    """Without etcd (the Spark source's bucket listing) shared segments are
+    found through their objects' directories; where a crash's leftover .kfs
+    shares a base offset with a committed shared segment, the one known to
+    reach the next base (or, at the end, reaching furthest) is taken."""
+    async def go():
+        n = Node()
+        flusher, logs = await n.start(partitions=3)
+        await fill(logs)
+        assert await share(n, flusher, logs) == 3  # offsets 0-1 of every partition
+        await fill(logs)
+        assert await share(n, flusher, logs, seq=2) == 3  # offsets 2-3
+        first, second = shared_objects(n)
+        # leftovers of a later epoch holding only the base's first record: at base 0 (not the newest) and at
+        # base 2 (the newest), of partition 0
+        for base in (0, 2):
+            seg = build_segment([(batch(b"p0-r%d" % base), base)], 0)
+            n.store.objects[segment_key("unit", TOPIC, 0, base, 9)] = bytes(seg.data)
+        monkeypatch.setattr(scan.StoreOptions, "store", lambda _self: n.store)
+        found = await scan.list_segments(scan.StoreOptions("bucket", "unit"), TOPIC)
+        assert sorted(found) == [0, 1, 2]
+        for p, (segs, log_start, hw) in found.items():
+            assert (log_start, hw) == (0, 4)
+            assert [(s.key, s.base, s.last) for s in segs] == [(first, 0, 1), (second, 2, 3)], p
+            assert all(s.pos >= 0 and s.size > 0 for s in segs)
         await flusher.stop()
 
     run(go())
