@@ -65,8 +65,8 @@ class Config:
     compaction_lag_ms: int = _opt(10_000, "node flush: a partition's node object slices are compacted into a "
                                   "segment once the oldest is this old (or they reach segment.bytes)")
     shared_compaction: bool = _opt(True, "node flush: small partitions due together are compacted into one "
-                                   "shared object (one PUT and one etcd transaction for up to 63) instead of "
-                                   "one .kfs each")
+                                   "shared object (one PUT and one etcd transaction for up to 42), merging "
+                                   "their small segments, instead of one .kfs each")
     multipart_threshold: int = _opt(16 * 1024 * 1024, "segments above this size upload as multipart")
     cache_bytes: int = _opt(256 * 1024 * 1024, "shared-memory cache of recent segments that workers serve Fetch from")
     s3_timeout_s: int = _opt(30, "longest one attempt at uploading a segment may take before it is retried")

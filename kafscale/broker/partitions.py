@@ -25,6 +25,7 @@ from kafscale.metadata import topic_config
 from kafscale.metadata.store import (
     CLAIM_BATCH,
     SHARED_PARTITIONS,
+    TXN_MAX_OPS,
     MetaStore,
     PartitionState,
     SegmentManifest,
@@ -443,7 +444,7 @@ class PartitionRegistry:
         async def compact(logs: list[PartitionLog], shared: bool) -> None:
             """Holds a slot; waits while the memory compactions hold would not fit in `limit` (one always may)."""
             try:
-                need = min(2 * sum(lg.compaction_bytes() for lg in logs), limit)
+                need = min(2 * sum(compaction_bytes(lg, shared) for lg in logs), limit)
                 async with freed:
                     await freed.wait_for(lambda: free[0] >= need)
                     free[0] -= need
@@ -570,6 +571,16 @@ class PartitionApi:
         return None
 
 
+def compaction_bytes(lg: PartitionLog, shared: bool) -> int:
+    """What a log's next compaction reads: its slices, and in a shared object
+    the segments it merges too (if the transaction leaves room for deleting
+    their manifests)."""
+    n = lg.compaction_bytes()
+    if shared and n <= SHARED_SEGMENT_BYTES:
+        n += sum(m.size for m in lg.to_merge(n, SHARED_SEGMENT_BYTES, TXN_MAX_OPS))
+    return n
+
+
 def compaction_batches(due: list[PartitionLog], shared: bool) -> list[tuple[list[PartitionLog], bool]]:
     """The compactions to start for these due logs (oldest first), each with
     whether it is shared: without shared compaction each alone; with it, a
@@ -580,7 +591,7 @@ def compaction_batches(due: list[PartitionLog], shared: bool) -> list[tuple[list
     out: list[tuple[list[PartitionLog], bool]] = []
     small: list[tuple[PartitionLog, int]] = []
     for lg in due:
-        n = lg.compaction_bytes()
+        n = compaction_bytes(lg, shared)
         if not shared or n > SHARED_SEGMENT_BYTES:
             out.append(([lg], False))
         else:

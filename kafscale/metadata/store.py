@@ -11,8 +11,8 @@
                                  every partition's slice in it is compacted (kafscale.storage.wal)
   shared/{fence id}/{seq}        directory of one shared segment object: the compacted segments of up
                                  to SHARED_PARTITIONS small partitions (their manifests under segments/
-                                 name it), until every one is below its partition's log start
-                                 (kafscale.storage.shared)
+                                 name it), until every one is below its partition's log start or
+                                 merged into a later one (kafscale.storage.shared)
   brokers/{id}                   {"host": ..., "port": ...} on the broker's lease
   owners/{topic}/{p}             id of the broker that owns the partition, on its lease
   draining/{id}                  present while an operator drains that broker
@@ -183,9 +183,10 @@ TXN_MAX_OPS = 128  # etcd's default --max-txn-ops (of compares, and of operation
 # partitions one claim_partitions call claims: two compares and two puts each, plus one delete per old fence
 # named (at most one each) and the topic's compare, all within TXN_MAX_OPS
 CLAIM_BATCH = (TXN_MAX_OPS - 1) // 3
-# partitions in one shared segment object: its commit compares each partition key, and puts it and its
-# segment's manifest (two operations each) and the object's directory, all within TXN_MAX_OPS
-SHARED_PARTITIONS = (TXN_MAX_OPS - 1) // 2
+# partitions in one shared segment object: its commit compares each partition key, puts it and its
+# segment's manifest (two operations each) and the object's directory, and deletes the manifests of the
+# segments merged away (storage/shared.py): a third of TXN_MAX_OPS is left to those
+SHARED_PARTITIONS = (TXN_MAX_OPS - 1) // 3
 SCAN_PAGE = 1000  # keys per etcd range read in MetaStore.scan
 SCAN_TURN = 100  # keys MetaStore.scan hands out before it lets other work run
 WAL_SCAN_PAGE = 50  # node object directories are larger: fewer per range read
@@ -414,20 +415,23 @@ class MetaStore:
             raise Fenced(f"fence {fence} was taken")
 
     async def commit_shared(self, fence: str, seq: int, directory: bytes,
-                            parts: list[tuple[str, int, bytes, PartitionState, SegmentManifest]]) -> bool:
+                            parts: list[tuple[str, int, bytes, PartitionState, SegmentManifest, list[int]]]) -> bool:
         """Commit a shared segment object in one transaction: for each (topic,
-        partition, the value its owner last wrote, new state, manifest) the
-        partition key is compared and moved and the manifest put, and the
-        directory goes under shared/{fence}/{seq}. False (nothing written) if
-        any partition key holds something else."""
-        assert len(parts) <= SHARED_PARTITIONS
+        partition, the value its owner last wrote, new state, manifest, base
+        offsets of the segments it merged away) the partition key is compared
+        and moved, the manifest put (over the first merged segment's, at the
+        same base) and the others' manifests deleted, and the directory goes
+        under shared/{fence}/{seq}. False (nothing written) if any partition key
+        holds something else."""
         tx = self.client.transactions
         ops = [tx.put(self.k("shared", fence, f"{seq:012d}"), directory)]
-        for topic, p, _, state, m in parts:
+        for topic, p, _, state, m, gone in parts:
             ops += [tx.put(self.k("partitions", topic, p), state.to_json()),
                     tx.put(self.k("segments", topic, p, f"{m.base:020d}"), m.to_json())]
+            ops += [tx.delete(self.k("segments", topic, p, f"{base:020d}")) for base in gone if base != m.base]
+        assert len(parts) <= TXN_MAX_OPS and len(ops) <= TXN_MAX_OPS, "see SHARED_PARTITIONS"
         ok, _ = await self.client.transaction(
-            compare=[tx.value(self.k("partitions", topic, p)) == raw for topic, p, raw, _, _ in parts],
+            compare=[tx.value(self.k("partitions", topic, p)) == raw for topic, p, raw, *_ in parts],
             success=ops, failure=[])
         return bool(ok)
 

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# what a compaction takes: the compacted segments it merges, the slices, and the segment built of both
+Compaction = tuple[list[SegmentManifest], list[SegmentManifest], BuiltSegment]
+
 __all__ = ["LogError", "PartitionLog"]
 
 MAX_UPLOADS = 4  # segments of one partition uploading at once
@@ -274,9 +277,10 @@ class PartitionLog(LogReader):
         self._count_slices(itertools.takewhile(self._is_slice, reversed(segments)), 1)
 
     def add_segment(self, m: SegmentManifest) -> list[SegmentManifest]:
+        first_slice = self.segments[-self._slice_count].base if self._slice_count else m.last + 1
         replaced = super().add_segment(m)
         self._count_slices(filter(self._is_slice, [m]), 1)
-        self._count_slices(replaced, -1)
+        self._count_slices((r for r in replaced if r.base >= first_slice), -1)  # not the merged segments
         return replaced
 
     def drop_segments(self, n: int) -> None:
@@ -320,26 +324,49 @@ class PartitionLog(LogReader):
         """Bytes the next compaction reads (it holds about twice that while it builds the segment)."""
         return sum(m.size for m in self._to_compact())
 
-    async def compaction(self) -> tuple[list[SegmentManifest], BuiltSegment] | None:
+    def to_merge(self, new_bytes: int, limit: int, most: int) -> list[SegmentManifest]:
+        """The compacted segments in shared objects just before the slices that
+        a compaction of new_bytes into a shared object takes along, oldest first
+        (at most `most`): going back from the newest, each one no larger than
+        what is taken so far, while everything stays within `limit` bytes. Like
+        a binary counter, a partition then keeps about log2(limit / new_bytes)
+        small segments, and each record is rewritten as many times at most."""
+        taken: list[SegmentManifest] = []
+        size = new_bytes
+        for i in range(len(self.segments) - self._slice_count - 1, -1, -1):
+            m = self.segments[i]
+            if len(taken) == most or m.pos < 0 or m.size > size or size + m.size > limit or m.last < self.log_start:
+                break
+            taken.append(m)
+            size += m.size
+        return taken[::-1]
+
+    async def compaction(self, merge_limit: int = 0, most_merged: int = 0) -> Compaction | None:
         """The committed slices the next compaction takes (oldest first, up to
-        segment.bytes) and the segment built of them; None with nothing to do."""
+        segment.bytes), the compacted segments it merges with them (to_merge;
+        none without merge_limit) and the segment built of both; None with
+        nothing to do."""
         slices = self._to_compact()
         if not slices or self.closed:
             return None
+        merged = self.to_merge(sum(m.size for m in slices), merge_limit, most_merged) if merge_limit else []
         parts = []
-        for m in slices:
+        for m in merged + slices:
             whole = await self.whole(m)  # from the cache, else one ranged GET
             parts.append((memoryview(whole.data)[HEADER_SIZE:whole.body_end], m.base))
-        return slices, build_segment(parts, int(time.time() * 1000))
+        return merged, slices, build_segment(parts, int(time.time() * 1000))
 
     @staticmethod
-    def compacted_manifest(slices: list[SegmentManifest], seg: BuiltSegment, key: str, pos: int = -1
-                           ) -> SegmentManifest:
-        """The manifest of a segment compacted from these slices (pos >= 0: in a shared object)."""
+    def compacted_manifest(built: Compaction, key: str, pos: int = -1) -> SegmentManifest:
+        """The manifest of a compacted segment (pos >= 0: in a shared object).
+        It was created when its oldest slice was: a merged segment's producers
+        (recovered from manifests on a new owner) must not expire with the
+        oldest record it merges."""
+        merged, slices, seg = built
         return SegmentManifest(seg.base_offset, seg.last_offset, seg.count, len(seg.data), seg.min_timestamp,
                                seg.max_timestamp, key, min(m.created_ms for m in slices),
                                {str(pid): [st.epoch, [list(b) for b in st.recent]]
-                                for pid, st in producer_states(slices).items()}, pos)
+                                for pid, st in producer_states(merged + slices).items()}, pos)
 
     def compacted_state(self, seg: BuiltSegment) -> PartitionState:
         """The partition's state once this compacted segment is committed: its checkpoint after it."""
@@ -373,9 +400,9 @@ class PartitionLog(LogReader):
             built = await self.compaction()
             if built is None:
                 return
-            slices, seg = built
+            seg = built[2]
             key = segment_key(self.cfg.namespace, self.topic, self.partition, seg.base_offset, self.epoch)
-            manifest = self.compacted_manifest(slices, seg, key)
+            manifest = self.compacted_manifest(built, key)
             await self._retry(f"upload of {key}", lambda: asyncio.wait_for(
                 self._upload(key, seg.data, seg.index, background=True), self.cfg.s3_timeout_s))
             faults.reached("mid-compaction")

@@ -83,7 +83,7 @@ class Segment:
     """One committed segment object of a partition."""
     partition: int
     key: str
-    base: int
+    base: int  # its first offset (a listing may take a segment from an offset inside it: that one)
     last: int
     size: int  # whole segment, header and footer included
     min_ts: int = -1  # -1: not known (S3 listing)
@@ -145,18 +145,21 @@ async def _from_listing(opts: StoreOptions, topic: str) -> dict[int, tuple[list[
     """Segments found by listing the bucket: the topic's own .kfs objects and
     its segments in shared segment objects (from their directories).
 
-    Which of them are committed only etcd knows, but every leftover of an
-    owner that crashed or was fenced between upload and commit starts at a
-    committed segment's base offset, and the distinct base offsets chain: a
-    segment at one base ends where the next base begins. At each base the
-    listing takes a shared segment that reaches that far (its last offset is in
-    its directory; with node flushes any segment holding an offset holds the
-    same record there), else the .kfs with the highest epoch in its key (a
-    later owner's, when node flushes are off and a leftover may hold other
-    records). Only the newest segment's end is read: from its directory, or
-    from the .kfs footer."""
+    Which of them are committed only etcd knows. A listing also finds the
+    leftovers of owners that crashed or were fenced between upload and
+    commit, and shared segments merged into later ones but not deleted yet;
+    with node flushes every segment holding an offset holds the same record
+    there (it is compacted from committed records). So the listing walks
+    each partition's offsets from the lowest base, taking at each step the
+    segment that holds the next offset and reaches furthest (of equals a
+    shared one), from that offset on. A .kfs segment's last offset is the
+    next higher base offset minus one (no merge ever starts inside one, and a
+    leftover .kfs starts at a committed segment's base); at one base the
+    .kfs with the highest epoch in its key is taken (a later owner's, when
+    node flushes are off and a leftover may hold records never acknowledged).
+    Only the newest .kfs footer is read."""
     own: dict[int, dict[int, tuple[int, str, int]]] = {}  # partition: base: (epoch, key, size)
-    shared: dict[int, dict[int, list[Segment]]] = {}
+    shared: dict[int, list[Segment]] = {}
     async with opts.store() as store:
         for obj in await store.list(f"{opts.namespace}/{topic}/"):
             k = parse_segment_key(obj["Key"])
@@ -166,24 +169,41 @@ async def _from_listing(opts: StoreOptions, topic: str) -> dict[int, tuple[list[
             if cur is None or k.epoch > cur[0]:
                 own[k.partition][k.base_offset] = (k.epoch, obj["Key"], int(obj["Size"]))
         for s in await _shared_segments(store, opts.namespace, topic):
-            shared.setdefault(s.partition, {}).setdefault(s.base, []).append(s)
+            shared.setdefault(s.partition, []).append(s)
         out = {}
         for p in own.keys() | shared.keys():
-            bases = sorted(own.get(p, {}).keys() | shared.get(p, {}).keys())
-            segs = []
-            for i, base in enumerate(bases):
-                end = bases[i + 1] - 1 if i + 1 < len(bases) else None
-                options = list(shared.get(p, {}).get(base, []))
-                if base in own.get(p, {}):
-                    _, key, size = own[p][base]
-                    last = end if end is not None else FOOTER.unpack(await store.get(key, size - FOOTER_SIZE,
-                                                                                     size))[1]
-                    options.append(Segment(p, key, base, last, size))
-                # the one reaching furthest (up to the next base); of those a shared one, whose end is known
-                best = max(options, key=lambda s: (s.last if end is None else min(s.last, end), s.pos >= 0))
-                segs.append(best if end is None or best.last <= end else replace(best, last=end))
-            out[p] = (segs, bases[0], segs[-1].last + 1)
+            found = shared.get(p, [])
+            bases = sorted({s.base for s in found} | own.get(p, {}).keys())
+            for base, (_, key, size) in own.get(p, {}).items():
+                later = bisect.bisect_right(bases, base)
+                last = bases[later] - 1 if later < len(bases) else FOOTER.unpack(
+                    await store.get(key, size - FOOTER_SIZE, size))[1]
+                found.append(Segment(p, key, base, last, size))
+            out[p] = (segs := _walk(found), bases[0], segs[-1].last + 1)
         return out
+
+
+def _walk(found: list[Segment]) -> list[Segment]:
+    """From the lowest base offset on, the segment holding the next offset
+    that reaches furthest (of equals one in a shared object, whose last offset
+    is known), read from that offset: in one pass over them sorted by base
+    (every segment passed over ends before the offset the walk is at)."""
+    found = sorted(found, key=lambda s: s.base)
+    segs: list[Segment] = []
+    offset, i, best = found[0].base, 0, None
+    while True:
+        while i < len(found) and found[i].base <= offset:
+            s = found[i]
+            i += 1
+            if s.last >= offset and (best is None or (s.last, s.pos >= 0) > (best.last, best.pos >= 0)):
+                best = s
+        if best is None:  # a gap, or the end
+            if i == len(found):
+                return segs
+            offset = found[i].base
+            continue
+        segs.append(best if best.base == offset else replace(best, base=offset))
+        offset, best = best.last + 1, None
 
 
 async def _shared_segments(store: ObjectStore, namespace: str, topic: str) -> list[Segment]:
@@ -234,7 +254,8 @@ async def offset_for_time(store: ObjectStore, segs: list[Segment], ts: int, hw: 
     for s in segs:
         if s.max_ts != -1 and s.max_ts < ts:
             continue
-        found = first_at_or_after(await store.get(s.key, s.start + HEADER_SIZE, s.start + s.size - FOOTER_SIZE), ts)
+        body = await store.get(s.key, s.start + HEADER_SIZE, s.start + s.size - FOOTER_SIZE)
+        found = first_at_or_after(body, ts, s.base)  # s.base: a listing may read a segment from inside it
         if found is not None:
             return found[0]
     return hw

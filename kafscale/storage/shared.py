@@ -13,8 +13,19 @@ transaction compares every partition key with what its owner last wrote,
 moves each checkpoint past its segment, puts each segment's manifest (the
 object's key and the segment's position in it) and the object's directory
 under `shared/{fence}/{seq}`. Readers need nothing new: a manifest with a
-position is read like a node object's slice. The collector deletes the
-object once every segment in it is before its partition's log start.
+position is read like a node object's slice.
+
+A partition that writes little would add a small segment (and an etcd key)
+every compaction for as long as its data is kept. Its compaction therefore
+also takes the small segments before it that are in shared objects
+(PartitionLog.to_merge: each no larger than what is taken so far, up to
+SHARED_SEGMENT_BYTES), rewrites them with the new slices into one segment
+at the first one's base offset, and the same transaction deletes their
+other manifests; a partition keeps about log2(SHARED_SEGMENT_BYTES / bytes
+per compaction) small segments. The collector deletes a shared object once
+every segment in it is before its partition's log start, of a deleted
+topic, or merged into a segment of a later shared object (one of the same
+partition covering a larger range).
 
 A partition handed over or closed while its share is built is left out (its
 slices stay for the next owner); one whose key moved (a new owner) is left
@@ -30,7 +41,7 @@ from collections.abc import Callable
 
 from kafscale import faults, metrics
 from kafscale.config import Config
-from kafscale.metadata.store import SHARED_PARTITIONS, MetaStore
+from kafscale.metadata.store import SHARED_PARTITIONS, TXN_MAX_OPS, MetaStore
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.wal import Slice, directory, object_body, retry, shared_key, upload
@@ -50,16 +61,20 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
     key = shared_key(cfg.namespace, fence, seq)
     created = int(time.time() * 1000)
     shares: list[Slice] = []  # one per partition, with no batches of its own (they are committed already)
+    merged: dict[PartitionLog, list[int]] = {}  # the base offsets of the segments each one merges
     ids: dict[str, bytes] = {}
+    spare = TXN_MAX_OPS - 1 - 2 * len(logs)  # the transaction's operations left for merged manifests' deletes
     pos = 0
     for lg in logs:
         tid = topic_id(lg.topic)
-        built = await lg.compaction()
+        built = await lg.compaction(SHARED_SEGMENT_BYTES, spare + 1)
         if built is None or tid is None:  # closed meanwhile, or its topic deleted
             continue
         ids[lg.topic] = tid
-        slices, seg = built
-        shares.append(Slice(lg, [], seg, lg.compacted_manifest(slices, seg, key, pos)))
+        seg = built[2]
+        merged[lg] = [m.base for m in built[0]]
+        spare -= max(len(built[0]) - 1, 0)
+        shares.append(Slice(lg, [], seg, lg.compacted_manifest(built, key, pos)))
         pos += len(seg.data)
     if not shares:
         return 0
@@ -81,8 +96,8 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
             states = [s.log.compacted_state(s.seg) for s in shares]
             t = time.perf_counter()
             ok = await meta.commit_shared(fence, seq, directory(key, created, shares, ids),
-                                          [(s.log.topic, s.log.partition, s.log.state_raw(), st, s.manifest)
-                                           for s, st in zip(shares, states, strict=True)])
+                                          [(s.log.topic, s.log.partition, s.log.state_raw(), st, s.manifest,
+                                            merged[s.log]) for s, st in zip(shares, states, strict=True)])
             metrics.ETCD_SECONDS.labels(metrics.node()).observe(time.perf_counter() - t)
             if ok:
                 now = [st.to_json() for st in states]

@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import functools
+import itertools
 import json
 import logging
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -468,19 +469,41 @@ class WalIndex:
             self._parsed = parsed
 
 
-def _summary(raw: bytes, shared: bool) -> tuple[str, bool, list[tuple[str, str, int, int]]]:
+Summary = tuple[str, bool, list[tuple[str, str, int, int, int]]]
+
+
+def _summary(raw: bytes, shared: bool) -> Summary:
     """A directory as the collector needs it: the object's key, whether it is
-    a shared segment object, and per slice its topic, topic id hex, partition
-    and last offset."""
+    a shared segment object, and per slice its topic, topic id hex, partition,
+    base and last offset."""
     key, slices = slice_manifests(raw)
-    return key, shared, [(topic, tid, p, m.last) for topic, tid, p, m in slices]
+    return key, shared, [(topic, tid, p, m.base, m.last) for topic, tid, p, m in slices]
+
+
+def merged_away(directories: Iterable[Summary]) -> set[tuple[str, int, int, int]]:
+    """The (topic id hex, partition, base, last) of the segments in these
+    shared segment objects that a segment of the same partition in another
+    one covers with a larger range: a compaction merged them into it (a
+    partition's offsets only move forward, so the larger one is the later)."""
+    ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for _, shared, segments in directories:
+        for _, tid, p, base, last in segments if shared else ():
+            ranges.setdefault((tid, p), []).append((base, last))
+    out = set()
+    for (tid, p), found in ranges.items():
+        reach = -1  # the furthest last offset of the segments with a lower base
+        for base, group in itertools.groupby(sorted(found, key=lambda r: (r[0], -r[1])), key=lambda r: r[0]):
+            lasts = [last for _, last in group]
+            out.update((tid, p, base, last) for last in lasts if last <= reach or last < lasts[0])
+            reach = max(reach, lasts[0])
+    return out
 
 
 class Collector:
     """Forgets the node objects whose every slice is compacted (below its
     partition's checkpoint), before its log start, or of a deleted topic, and
-    the shared segment objects whose every segment is before its log start
-    or of a deleted topic, and deletes them GRACE_S later; every
+    the shared segment objects whose every segment is before its log start,
+    of a deleted topic or merged into a later one, and deletes them GRACE_S later; every
     ORPHAN_AGE_S / 2 it also deletes objects no directory names (uploads
     that never committed) once ORPHAN_AGE_S old. A directory never changes,
     so each is read and parsed once (a pass reads the wal/ and shared/ keys
@@ -493,8 +516,8 @@ class Collector:
         self.namespace = namespace
         self.orphan_age_s = orphan_age_s
         # wal/ or shared/ key -> the object's key, whether shared, and its slices as
-        # (topic, topic id hex, partition, last offset)
-        self._seen: dict[bytes, tuple[str, bool, list[tuple[str, str, int, int]]]] = {}
+        # (topic, topic id hex, partition, base and last offset)
+        self._seen: dict[bytes, Summary] = {}
         self._orphans_swept = 0.0
 
     async def run(self) -> int:
@@ -510,12 +533,13 @@ class Collector:
         if self._seen:  # nothing to decide otherwise (a cluster without node flushes reads no states)
             topics = {t.name: t for t in await self.meta.list_topics()}
             states = await self.meta.partition_states()
+            merged = merged_away(self._seen.values())
 
-            def done(shared: bool, topic: str, tid: str, p: int, last: int) -> bool:
+            def done(shared: bool, topic: str, tid: str, p: int, base: int, last: int) -> bool:
                 t = topics.get(topic)
                 st = states.get((topic, p))
                 return (t is None or t.id.hex() != tid or st is None or st.log_start > last
-                        or (not shared and st.hw > last))
+                        or (not shared and st.hw > last) or (shared and (tid, p, base, last) in merged))
 
             async for chunk in in_turns(list(self._seen.items()), 200):
                 dead += [(k, key) for k, (key, shared, slices) in chunk if all(done(shared, *sl) for sl in slices)]

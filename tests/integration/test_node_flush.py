@@ -21,6 +21,7 @@ from kafscale.storage.segment import index_key, key_epoch
 from kafscale.storage.wal import Collector, node_prefix, shared_prefix
 from tests.integration.clients import create_topic
 from tests.integration.s3log import S3RequestLog
+from tests.integration.test_groups import wait_for
 from tests.integration.test_topics_offsets import etcd_keys, s3_keys
 
 PARTITIONS = 1000
@@ -135,18 +136,21 @@ def unnamed_objects(stack, cluster: str, topic: str, partitions: int) -> list[tu
             for k in s3_keys(stack, f"{cluster}/{topic}/") if k not in named]
 
 
-def spark_read(stack, cluster: str, topic: str, starting: str | None = None) -> dict[bytes, tuple[int, int]]:
-    """What the broker-less reader under the Spark source finds (from startingOffsets):
-    value -> (partition, offset)."""
+def spark_read(stack, cluster: str, topic: str, starting: str | None = None, etcd: bool = True
+               ) -> dict[bytes, tuple[int, int]]:
+    """What the broker-less reader under the Spark source finds (from
+    startingOffsets; planned from etcd or from a bucket listing): value ->
+    (partition, offset). A record found twice fails."""
     opts = StoreOptions(bucket=stack.bucket, namespace=cluster, endpoint=stack.s3_endpoint,
-                        access_key=DEV_ACCESS_KEY, secret_key=DEV_SECRET_KEY, etcd=stack.etcd_endpoint,
-                        cluster=cluster)
+                        access_key=DEV_ACCESS_KEY, secret_key=DEV_SECRET_KEY,
+                        etcd=stack.etcd_endpoint if etcd else None, cluster=cluster)
     out = {}
     for sl in asyncio.run(plan(opts, topic, starting)):
         data = read_slice(opts, sl)
         for batch in _native.scan_batches(data, True):
             for rec in _native.iter_records(batch, data):
                 if sl.start <= rec[0] < sl.end:
+                    assert rec[3] not in out, f"{rec[3]!r} read twice"
                     out[rec[3]] = (sl.partition, rec[0])
     return out
 
@@ -198,6 +202,33 @@ def test_compaction_rewrites_slices_into_segments_and_forgets_node_objects(make_
     while s3_keys(stack, node_prefix(b.cluster)):
         assert time.monotonic() < deadline, "compacted node objects were not deleted"
         time.sleep(1)
+
+
+def test_slow_partitions_merge_their_small_segments_so_keys_do_not_grow_with_time(make_broker, stack, topic_name):
+    """Twelve rounds of one record per partition, each compacted before the
+    next: without merging each partition would keep twelve segments (twelve
+    etcd keys, growing for as long as data is kept); merged, it keeps about
+    log2 of that. Every record is served and read by the Spark source's reader
+    exactly once, from etcd and from a bucket listing that still holds merged
+    objects, and the shared objects left are the ones live segments name."""
+    b = make_broker(compaction_lag_ms=300)
+    partitions, rounds = 10, 12
+    create_topic(b.bootstrap, topic_name, partitions=partitions)
+    acked: dict[bytes, tuple[int, int]] = {}
+    for r in range(rounds):
+        acked.update(produce_confluent(b.bootstrap, topic_name, [(p, b"p%d-r%d" % (p, r)) for p in range(partitions)]))
+        wait_for(lambda: not count_keys(stack, b.cluster, "wal"), 30, f"round {r} compacted")
+    segments = count_keys(stack, b.cluster, "segments")
+    assert partitions <= segments <= 4 * partitions, segments  # 12 rounds: 2 each when all are merged alike
+    served = consume_all(b.bootstrap, topic_name, partitions)
+    assert {v: (p, o) for p, recs in served.items() for o, v in recs} == acked
+    assert spark_read(stack, b.cluster, topic_name) == acked
+    assert spark_read(stack, b.cluster, topic_name, etcd=False) == acked
+
+    def only_live_objects_named() -> bool:
+        live = {json.loads(m)["key"] for m in wal_directories(stack, b.cluster, f"segments/{topic_name}")}
+        return {json.loads(d)["key"] for d in wal_directories(stack, b.cluster, "shared")} == live
+    wait_for(only_live_objects_named, 30, "the merged shared objects to be forgotten")
 
 
 def test_the_spark_reader_starts_inside_the_first_slice_of_a_node_object(make_broker, stack, topic_name):

@@ -6,6 +6,7 @@ segment in the object is before its partition's log start."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 from kafscale import _native
 from kafscale.storage import scan
@@ -174,8 +175,8 @@ def test_a_bucket_listing_chains_shared_segments_with_leftover_kfs_objects(monke
         flusher, logs = await n.start(partitions=3)
         await fill(logs)
         assert await share(n, flusher, logs) == 3  # offsets 0-1 of every partition
-        await fill(logs)
-        assert await share(n, flusher, logs, seq=2) == 3  # offsets 2-3
+        await fill(logs, rounds=1)
+        assert await share(n, flusher, logs, seq=2) == 3  # offset 2 (smaller than the first: not merged with it)
         first, second = shared_objects(n)
         # leftovers of a later epoch holding only the base's first record: at base 0 (not the newest) and at
         # base 2 (the newest), of partition 0
@@ -186,9 +187,46 @@ def test_a_bucket_listing_chains_shared_segments_with_leftover_kfs_objects(monke
         found = await scan.list_segments(scan.StoreOptions("bucket", "unit"), TOPIC)
         assert sorted(found) == [0, 1, 2]
         for p, (segs, log_start, hw) in found.items():
-            assert (log_start, hw) == (0, 4)
-            assert [(s.key, s.base, s.last) for s in segs] == [(first, 0, 1), (second, 2, 3)], p
+            assert (log_start, hw) == (0, 3)
+            assert [(s.key, s.base, s.last) for s in segs] == [(first, 0, 1), (second, 2, 2)], p
             assert all(s.pos >= 0 and s.size > 0 for s in segs)
+        await flusher.stop()
+
+    run(go())
+
+
+def test_slow_partitions_merge_their_small_segments_and_merged_objects_are_collected():
+    """Sixteen compactions of one batch per partition leave each partition one
+    segment (merged like a binary counter: at most log2 of the rounds at any
+    time), its other manifests deleted in the same transactions; every record
+    is served once, also by new owners reading S3; the collector forgets
+    every shared object whose segments were all merged into later ones."""
+    async def go():
+        n = Node()
+        flusher, logs = await n.start(partitions=2)
+        collector = Collector(n.meta, n.store, "unit")
+        for r in range(16):
+            await asyncio.gather(*(append(lg, batch(b"p%d-r%d" % (lg.partition, r))) for lg in logs))
+            assert await share(n, flusher, logs, seq=r + 1) == 2
+            for lg in logs:
+                manifests = await n.meta.list_segments(TOPIC, lg.partition)
+                assert len(manifests) == (r + 1).bit_count(), f"round {r}: {[(m.base, m.last) for m in manifests]}"
+                assert [(m.base, m.last) for m in lg.segments] == [(m.base, m.last) for m in manifests]
+                assert lg._slice_count == 0 and lg.checkpoint == lg.hw == r + 1
+            await collector.run()
+            live = {m.key for lg in logs for m in await n.meta.list_segments(TOPIC, lg.partition)}
+            named = {json.loads(raw)["key"] for _, raw in await n.meta.wal_directories("shared")}
+            assert named == live, f"round {r}: only the objects holding live segments are kept"
+        [(m0,)] = [await n.meta.list_segments(TOPIC, 0)]
+        assert (m0.base, m0.last, m0.count) == (0, 15, 16)
+        for lg in logs:
+            want = [b"p%d-r%d" % (lg.partition, r) for r in range(16)]
+            assert await values(lg) == want
+            await lg.close()
+            again = reopen(n, lg)
+            await again.open()
+            assert await values(again) == want, "a new owner reads the merged segment from S3"
+            await again.close()
         await flusher.stop()
 
     run(go())
