@@ -51,6 +51,11 @@ COMPACTION_MEMORY_SEGMENTS = 2  # compactions under way hold at most this many s
 # compactions under way at once: compacting a hundred at once queued two hundred PUTs ahead of the node flushes'
 # (producers waited for seconds)
 COMPACTIONS_AT_ONCE = 4
+# small partitions a check starts together (when that many are due) although the spread would start fewer:
+# one shared object for them costs what one for a single partition does, and a partition compacted alone
+# gets a .kfs of its own, whose small segments are never merged (a few slow partitions spread over the
+# checks one at a time would add an etcd key each per compaction_lag_ms for as long as their data is kept)
+SHARED_GATHER = 16
 # partitions claimed at once (etcd transactions in flight while a large topic opens, 10,000 at once without it).
 # Opening 10,000 new partitions that each still scanned node object directories, the lease refresh took 2-3.6 s
 # and the broker lost its lease without this bound; with it, 2-2.8 s and kept. Only the claims wait for a slot:
@@ -477,7 +482,7 @@ class PartitionRegistry:
                 if not due:
                     await asyncio.sleep(COMPACTION_CHECK_S)
                     continue
-                batches = compaction_batches(due[:math.ceil(len(due) / spread)],  # spread >= 1: at most all
+                batches = compaction_batches(starting(due, spread, self.cfg.shared_compaction),
                                              self.cfg.shared_compaction)
                 for logs, shared in batches:
                     await slots.acquire()
@@ -579,6 +584,17 @@ def compaction_bytes(lg: PartitionLog, shared: bool) -> int:
     if shared and n <= SHARED_SEGMENT_BYTES:
         n += sum(m.size for m in lg.to_merge(n, SHARED_SEGMENT_BYTES, TXN_MAX_OPS))
     return n
+
+
+def starting(due: list[PartitionLog], spread: float, shared: bool) -> list[PartitionLog]:
+    """Of the due logs (oldest first), those a check starts: their share of the
+    spread (>= 1: at most all), and with shared compaction more small ones,
+    up to SHARED_GATHER in all."""
+    start = due[:math.ceil(len(due) / spread)]
+    if shared and len(start) < SHARED_GATHER:
+        start += [lg for lg in due[len(start):]
+                  if compaction_bytes(lg, True) <= SHARED_SEGMENT_BYTES][:SHARED_GATHER - len(start)]
+    return start
 
 
 def compaction_batches(due: list[PartitionLog], shared: bool) -> list[tuple[list[PartitionLog], bool]]:

@@ -283,10 +283,12 @@ def test_a_first_claim_reads_nothing_and_a_later_owner_finds_every_slice():
     run(go())
 
 
-def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch):
+@pytest.mark.parametrize("shared", [False, True])
+def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch, shared):
     """Partitions that fall due together are not compacted all at once: each
     check starts the due ones' share of half the compaction lag, evenly
-    spread, oldest first."""
+    spread, oldest first. With shared compaction, small ones are gathered
+    (up to SHARED_GATHER) into one shared object instead."""
     import time
 
     from kafscale.broker import partitions as registry
@@ -295,12 +297,15 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
 
     async def go():
         n = Node()
-        n.cfg = Config(node_id=1, namespace="unit", linger_ms=1, node_flush=True, compaction_lag_ms=200)
+        n.cfg = Config(node_id=1, namespace="unit", linger_ms=1, node_flush=True, compaction_lag_ms=200,
+                       shared_compaction=shared)
         await n.meta.create_topic(TOPIC, 10, {})
         reg = registry.PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
         await reg.start(await n.etcd.lease(60))
         logs = [await reg.partition_log(TOPIC, p) for p in range(10)]
-        for lg in reversed(logs):  # partition 9's slice is the oldest
+        if shared:  # in one node object: due at once
+            await asyncio.gather(*(append(lg, batch(b"x")) for lg in logs))
+        for lg in reversed(logs if not shared else []):  # partition 9's slice is the oldest
             await append(lg, batch(b"x"))
             await asyncio.sleep(0.003)
         started: list[tuple[float, list[int]]] = []
@@ -319,10 +324,12 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
         loop = asyncio.create_task(reg.compaction_loop())
         await n.until(lambda: all(lg.oldest_slice_ms() == 0 for lg in logs))
         loop.cancel()
-        assert [p for _, ps in started for p in ps] == list(range(9, -1, -1)), "oldest first, each once"
-        # spread over half the lag (5 checks of 0.02 s): two per check (sharing an object), not ten in the first
-        assert max(len(ps) for _, ps in started) == 2, started
-        assert started[-1][0] - started[0][0] >= 0.06, [round(t - started[0][0], 3) for t, _ in started]
+        if shared:  # ten small ones: one shared object
+            assert len(started) == 1 and sorted(started[0][1]) == list(range(10)), started
+        else:  # oldest first, spread over half the lag (5 checks of 0.02 s): two per check, not ten in the first
+            assert [p for _, ps in started for p in ps] == list(range(9, -1, -1)), "oldest first, each once"
+            assert len(started) == 10
+            assert started[-1][0] - started[0][0] >= 0.06, [round(t - started[0][0], 3) for t, _ in started]
         await reg.close(drain_s=1)
 
     run(go())
