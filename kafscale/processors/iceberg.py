@@ -158,7 +158,7 @@ class IcebergProcessor:
                     if s.last < start or taken >= self.max_records:
                         continue
                     end = min(s.last + 1, start + self.max_records - taken)  # offsets are dense in a segment
-                    data = await store.get(s.key, HEADER_SIZE, s.size - FOOTER_SIZE)
+                    data = await store.get(s.key, s.start + HEADER_SIZE, s.start + s.size - FOOTER_SIZE)
                     for batch in arrow_batches(Slice(self.topic, p, s.key, HEADER_SIZE, 0, start, end), data):
                         parts.append(self._columns(batch))
                         taken += batch.num_rows
