@@ -592,8 +592,8 @@ def starting(due: list[PartitionLog], spread: float, shared: bool) -> list[Parti
     up to SHARED_GATHER in all."""
     start = due[:math.ceil(len(due) / spread)]
     if shared and len(start) < SHARED_GATHER:
-        start += [lg for lg in due[len(start):]
-                  if compaction_bytes(lg, True) <= SHARED_SEGMENT_BYTES][:SHARED_GATHER - len(start)]
+        small = (lg for lg in due[len(start):] if compaction_bytes(lg, True) <= SHARED_SEGMENT_BYTES)
+        start += itertools.islice(small, SHARED_GATHER - len(start))
     return start
 
 

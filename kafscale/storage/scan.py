@@ -172,7 +172,7 @@ async def _from_listing(opts: StoreOptions, topic: str) -> dict[int, tuple[list[
             shared.setdefault(s.partition, []).append(s)
         out = {}
         for p in own.keys() | shared.keys():
-            found = shared.get(p, [])
+            found = list(shared.get(p, []))  # and the .kfs segments, added below
             bases = sorted({s.base for s in found} | own.get(p, {}).keys())
             for base, (_, key, size) in own.get(p, {}).items():
                 later = bisect.bisect_right(bases, base)

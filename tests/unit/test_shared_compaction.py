@@ -41,6 +41,17 @@ def reopen(n: Node, lg: PartitionLog) -> PartitionLog:
                         lambda _lg, _m: None, lg.node)
 
 
+async def values_of_new_owner(n: Node, lg: PartitionLog) -> list[bytes | None]:
+    """What a new owner of lg's partition (lg closed first) serves, read from S3."""
+    await lg.close()
+    again = reopen(n, lg)
+    await again.open()
+    try:
+        return await values(again)
+    finally:
+        await again.close()
+
+
 def share(n: Node, flusher: NodeFlusher, logs: list[PartitionLog], seq: int = 1) -> asyncio.Future[int]:
     """compact_shared of these logs into shared object seq of the flusher's fence."""
     topic_id = logs[0].node[2]
@@ -132,10 +143,7 @@ def test_a_partition_handed_over_or_taken_meanwhile_is_left_out():
         assert '"partition":0' not in raw.decode() and '"partition":1' not in raw.decode()
         states = await n.meta.partition_states()
         assert [states[(TOPIC, p)].hw for p in range(4)] == [0, 0, 2, 2]
-        again = reopen(n, logs[0])
-        await again.open()
-        assert await values(again) == [b"p0-r0", b"p0-r1"], "from the node objects"
-        await again.close()
+        assert await values_of_new_owner(n, logs[0]) == [b"p0-r0", b"p0-r1"], "from the node objects"
         await flusher.stop()
 
     run(go())
@@ -222,11 +230,7 @@ def test_slow_partitions_merge_their_small_segments_and_merged_objects_are_colle
         for lg in logs:
             want = [b"p%d-r%d" % (lg.partition, r) for r in range(16)]
             assert await values(lg) == want
-            await lg.close()
-            again = reopen(n, lg)
-            await again.open()
-            assert await values(again) == want, "a new owner reads the merged segment from S3"
-            await again.close()
+            assert await values_of_new_owner(n, lg) == want, "a new owner reads the merged segment from S3"
         await flusher.stop()
 
     run(go())
