@@ -33,7 +33,7 @@ import json
 import random
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import aetcd
@@ -114,7 +114,9 @@ class _JsonRecord:
     __slots__ = ()
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()  # type: ignore[call-overload]
+        """Its fields as a JSON object (read straight from the slots: asdict's
+        deep copy was most of a compaction commit's encoding time)."""
+        return json.dumps({f: getattr(self, f) for f in self.__slots__}, sort_keys=True).encode()
 
 
 @dataclass(slots=True)
@@ -589,6 +591,20 @@ class MetaStore:
             topic, _, p = kv.key[len(base):].decode().rpartition("/")
             out[TopicPartition(name_of(topic), int(p))] = PartitionState(**json.loads(kv.value))
         return out
+
+    async def partition_marks(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The high watermark and the log start offset of every partition ever
+        claimed, by "topic/partition": the collector's pass at 10,000
+        partitions made 40,000 objects of partition_states() at once, and the
+        garbage collector's scan of them held the event loop for 40-70 ms."""
+        base = self.k("partitions", "")
+        hw, log_start = {}, {}
+        async for kv in self.scan(base):
+            topic, _, p = kv.key[len(base):].decode().rpartition("/")
+            state = json.loads(kv.value)
+            key = f"{name_of(topic)}/{p}"
+            hw[key], log_start[key] = state["hw"], state["log_start"]
+        return hw, log_start
 
     async def list_segments(self, topic: str, p: int) -> list[SegmentManifest]:
         out = [SegmentManifest(**json.loads(kv.value))

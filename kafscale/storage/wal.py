@@ -480,23 +480,58 @@ def _summary(raw: bytes, shared: bool) -> Summary:
     return key, shared, [(topic, tid, p, m.base, m.last) for topic, tid, p, m in slices]
 
 
-def merged_away(directories: Iterable[Summary]) -> set[tuple[str, int, int, int]]:
-    """The (topic id hex, partition, base, last) of the segments in these
-    shared segment objects that a segment of the same partition in another
-    one covers with a larger range: a compaction merged them into it (a
-    partition's offsets only move forward, so the larger one is the later)."""
-    ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
-    for _, shared, segments in directories:
-        for _, tid, p, base, last in segments if shared else ():
-            ranges.setdefault((tid, p), []).append((base, last))
+def merged_away(ranges: Iterable[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Of one partition's segment ranges (base, last) in shared segment
+    objects, those a segment of a larger range covers: a compaction merged
+    them into it (a partition's offsets only move forward, so the larger one
+    is the later)."""
     out = set()
-    for (tid, p), found in ranges.items():
-        reach = -1  # the furthest last offset of the segments with a lower base
-        for base, group in itertools.groupby(sorted(found, key=lambda r: (r[0], -r[1])), key=lambda r: r[0]):
-            lasts = [last for _, last in group]
-            out.update((tid, p, base, last) for last in lasts if last <= reach or last < lasts[0])
-            reach = max(reach, lasts[0])
+    reach = -1  # the furthest last offset of the segments with a lower base
+    for base, group in itertools.groupby(sorted(ranges, key=lambda r: (r[0], -r[1])), key=lambda r: r[0]):
+        lasts = [last for _, last in group]
+        out.update((base, last) for last in lasts if last <= reach or last < lasts[0])
+        reach = max(reach, lasts[0])
     return out
+
+
+class SharedRanges:
+    """The segment ranges of the shared segment objects a collector has seen,
+    per (topic id hex, partition), and which of them are merged away. Kept
+    up to date directory by directory: working them out again over every
+    directory held the event loop for 100-190 ms every pass at 10,000
+    partitions (about 2,000 shared objects of 42 segments each)."""
+
+    def __init__(self) -> None:
+        self._ranges: dict[tuple[str, int], dict[tuple[int, int], int]] = {}  # range -> directories naming it
+        self._merged: dict[tuple[str, int], set[tuple[int, int]]] = {}
+        self._changed: set[tuple[str, int]] = set()
+
+    def add(self, summary: Summary, n: int = 1) -> None:
+        for _, tid, p, base, last in summary[2] if summary[1] else ():
+            found = self._ranges.setdefault((tid, p), {})
+            if count := found.get((base, last), 0) + n:
+                found[(base, last)] = count
+            else:
+                del found[(base, last)]
+                if not found:
+                    del self._ranges[(tid, p)]
+            self._changed.add((tid, p))
+
+    def remove(self, summary: Summary) -> None:
+        self.add(summary, -1)
+
+    async def update(self) -> None:
+        """Work out again what is merged away in the partitions whose ranges changed."""
+        changed, self._changed = list(self._changed), set()
+        async for chunk in in_turns(changed, 500):
+            for tp in chunk:
+                if merged := merged_away(self._ranges.get(tp, ())):
+                    self._merged[tp] = merged
+                else:
+                    self._merged.pop(tp, None)
+
+    def is_merged(self, tid: str, p: int, base: int, last: int) -> bool:
+        return (base, last) in self._merged.get((tid, p), ())
 
 
 class Collector:
@@ -518,6 +553,7 @@ class Collector:
         # wal/ or shared/ key -> the object's key, whether shared, and its slices as
         # (topic, topic id hex, partition, base and last offset)
         self._seen: dict[bytes, Summary] = {}
+        self._shared = SharedRanges()
         self._orphans_swept = 0.0
 
     async def run(self) -> int:
@@ -526,27 +562,31 @@ class Collector:
         was claimed (its state written) before the object was committed, so a
         missing state then means a deleted topic, never a partition claimed
         after the states were read (whose object would be forgotten live)."""
-        self._seen = (await read_directories(self.meta, self._seen, functools.partial(_summary, shared=False))
-                      | await read_directories(self.meta, self._seen, functools.partial(_summary, shared=True),
-                                               "shared"))
+        seen = (await read_directories(self.meta, self._seen, functools.partial(_summary, shared=False))
+                | await read_directories(self.meta, self._seen, functools.partial(_summary, shared=True), "shared"))
+        for k in self._seen.keys() - seen.keys():  # forgotten by another broker's collector
+            self._shared.remove(self._seen[k])
+        for k in seen.keys() - self._seen.keys():
+            self._shared.add(seen[k])
+        self._seen = seen
+        await self._shared.update()
         dead: list[tuple[bytes, str]] = []
         if self._seen:  # nothing to decide otherwise (a cluster without node flushes reads no states)
-            topics = {t.name: t for t in await self.meta.list_topics()}
-            states = await self.meta.partition_states()
-            merged = merged_away(self._seen.values())
+            topics = {t.name: t.id.hex() for t in await self.meta.list_topics()}
+            hw, log_start = await self.meta.partition_marks()
 
             def done(shared: bool, topic: str, tid: str, p: int, base: int, last: int) -> bool:
-                t = topics.get(topic)
-                st = states.get((topic, p))
-                return (t is None or t.id.hex() != tid or st is None or st.log_start > last
-                        or (not shared and st.hw > last) or (shared and (tid, p, base, last) in merged))
+                key = f"{topic}/{p}"
+                start = log_start.get(key)
+                return (topics.get(topic) != tid or start is None or start > last
+                        or (not shared and hw[key] > last) or (shared and self._shared.is_merged(tid, p, base, last)))
 
-            async for chunk in in_turns(list(self._seen.items()), 200):
+            async for chunk in in_turns(list(self._seen.items()), 50):
                 dead += [(k, key) for k, (key, shared, slices) in chunk if all(done(shared, *sl) for sl in slices)]
         if dead:
             await self.meta.forget_wal([k for k, _ in dead])
             for k, _ in dead:
-                del self._seen[k]
+                self._shared.remove(self._seen.pop(k))
             objects = [key for _, key in dead]
             asyncio.get_running_loop().call_later(GRACE_S, lambda: asyncio.ensure_future(_delete(self.store, objects)))
         if time.monotonic() >= self._orphans_swept + self.orphan_age_s / 2:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 from kafscale import _native
 from kafscale.storage import scan
@@ -14,7 +15,7 @@ from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import ReadBudget
 from kafscale.storage.segment import build_segment, segment_key
 from kafscale.storage.shared import compact_shared
-from kafscale.storage.wal import Collector, NodeFlusher, shared_prefix
+from kafscale.storage.wal import Collector, NodeFlusher, SharedRanges, merged_away, shared_prefix
 from tests.unit.test_node_flush import Node
 from tests.unit.test_partition import TOPIC, DictCache, append, batch, run
 
@@ -207,12 +208,13 @@ def test_slow_partitions_merge_their_small_segments_and_merged_objects_are_colle
     """Sixteen compactions of one batch per partition leave each partition one
     segment (merged like a binary counter: at most log2 of the rounds at any
     time), its other manifests deleted in the same transactions; every record
-    is served once, also by new owners reading S3; the collector forgets
-    every shared object whose segments were all merged into later ones."""
+    is served once, also by new owners reading S3; the collectors (two
+    brokers' in turn: each also sees what the other forgot) forget every
+    shared object whose segments were all merged into later ones."""
     async def go():
         n = Node()
         flusher, logs = await n.start(partitions=2)
-        collector = Collector(n.meta, n.store, "unit")
+        collectors = [Collector(n.meta, n.store, "unit") for _ in range(2)]
         for r in range(16):
             await asyncio.gather(*(append(lg, batch(b"p%d-r%d" % (lg.partition, r))) for lg in logs))
             assert await share(n, flusher, logs, seq=r + 1) == 2
@@ -221,7 +223,7 @@ def test_slow_partitions_merge_their_small_segments_and_merged_objects_are_colle
                 assert len(manifests) == (r + 1).bit_count(), f"round {r}: {[(m.base, m.last) for m in manifests]}"
                 assert [(m.base, m.last) for m in lg.segments] == [(m.base, m.last) for m in manifests]
                 assert lg._slice_count == 0 and lg.checkpoint == lg.hw == r + 1
-            await collector.run()
+            await collectors[r % 2].run()
             live = {m.key for lg in logs for m in await n.meta.list_segments(TOPIC, lg.partition)}
             named = {json.loads(raw)["key"] for _, raw in await n.meta.wal_directories("shared")}
             assert named == live, f"round {r}: only the objects holding live segments are kept"
@@ -232,5 +234,32 @@ def test_slow_partitions_merge_their_small_segments_and_merged_objects_are_colle
             assert await values(lg) == want
             assert await values_of_new_owner(n, lg) == want, "a new owner reads the merged segment from S3"
         await flusher.stop()
+
+    run(go())
+
+
+def test_shared_ranges_kept_up_to_date_agree_with_working_them_out_again():
+    """Directories of shared objects added and forgotten in any order: what
+    the collector's running account calls merged away is what the rule gives
+    over the directories it holds at that moment."""
+    rng = random.Random(7)
+    summaries = [(f"k{i}", True, [("t", "ab", rng.randrange(3), base, base + rng.randrange(1, 40))
+                                   for base in rng.sample(range(60), 4)]) for i in range(40)]
+    held: list = []
+    ranges = SharedRanges()
+
+    async def go():
+        for step in range(200):
+            if held and (rng.random() < 0.4 or len(held) == len(summaries)):
+                ranges.remove(held.pop(rng.randrange(len(held))))
+            else:
+                s = rng.choice([s for s in summaries if s not in held])
+                held.append(s)
+                ranges.add(s)
+            await ranges.update()
+            for p in range(3):
+                found = [(base, last) for s in held for _, _, q, base, last in s[2] if q == p]
+                want = merged_away(found)
+                assert {r for r in set(found) if ranges.is_merged("ab", p, *r)} == want, f"step {step}"
 
     run(go())
