@@ -417,9 +417,9 @@ class MetaStore:
             raise Fenced(f"fence {fence} was taken")
 
     async def commit_shared(self, fence: str, seq: int, directory: bytes,
-                            parts: list[tuple[str, int, bytes, PartitionState, SegmentManifest, list[int]]]) -> bool:
+                            parts: list[tuple[str, int, bytes, bytes, SegmentManifest, list[int]]]) -> bool:
         """Commit a shared segment object in one transaction: for each (topic,
-        partition, the value its owner last wrote, new state, manifest, base
+        partition, the value its owner last wrote, its new value, manifest, base
         offsets of the segments it merged away) the partition key is compared
         and moved, the manifest put (over the first merged segment's, at the
         same base) and the others' manifests deleted, and the directory goes
@@ -428,7 +428,7 @@ class MetaStore:
         tx = self.client.transactions
         ops = [tx.put(self.k("shared", fence, f"{seq:012d}"), directory)]
         for topic, p, _, state, m, gone in parts:
-            ops += [tx.put(self.k("partitions", topic, p), state.to_json()),
+            ops += [tx.put(self.k("partitions", topic, p), state),
                     tx.put(self.k("segments", topic, p, f"{m.base:020d}"), m.to_json())]
             ops += [tx.delete(self.k("segments", topic, p, f"{base:020d}")) for base in gone if base != m.base]
         assert len(parts) <= TXN_MAX_OPS and len(ops) <= TXN_MAX_OPS, "see SHARED_PARTITIONS"

@@ -93,18 +93,18 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
             shares[:] = [s for s in shares if not s.log.closed]  # handed over: its slices stay for the next owner
             if not shares:
                 return
-            states = [s.log.compacted_state(s.seg) for s in shares]
+            states = [s.log.compacted_state(s.seg).to_json() for s in shares]
             t = time.perf_counter()
             ok = await meta.commit_shared(fence, seq, directory(key, created, shares, ids),
                                           [(s.log.topic, s.log.partition, s.log.state_raw(), st, s.manifest,
                                             merged[s.log]) for s, st in zip(shares, states, strict=True)])
             metrics.ETCD_SECONDS.labels(metrics.node()).observe(time.perf_counter() - t)
             if ok:
-                now = [st.to_json() for st in states]
+                now = states
             else:  # a partition key moved (or an earlier attempt committed and its reply was lost)
                 got = await asyncio.gather(*(meta.get_partition(s.log.topic, s.log.partition) for s in shares))
                 now = [cur[1] if cur is not None else b"" for cur in got]
-                if not any(raw == st.to_json() for raw, st in zip(now, states, strict=True)):
+                if not any(raw == st for raw, st in zip(now, states, strict=True)):
                     moved = [s for s, raw in zip(shares, now, strict=True) if raw != s.log.state_raw()]
                     for s in moved:
                         log.warning("%s/%d: fenced by a newer owner while compacting", s.log.topic, s.log.partition)
@@ -112,7 +112,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
                     shares[:] = [s for s in shares if s not in moved]
                     raise RuntimeError(f"{len(moved)} partitions moved; committing the others")
             for s, raw, st in zip(shares, now, states, strict=True):
-                if raw == st.to_json():
+                if raw == st:
                     s.log.compaction_committed(raw, s.manifest)
                     committed.append(s)
                 else:  # committed, then taken by a new owner
