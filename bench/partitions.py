@@ -15,8 +15,9 @@ etcd keys the run added and etcd's DB size. From the producer: ack latency
 p50/p99 (produce() to delivery report) and how many records were
 acknowledged; then how long until every node object is compacted away
 (its wal/ key gone: the collector looks every half compaction lag, so this
-is the lag, 10 s, plus up to 5 s at best). From /proc: the broker's CPU (all its processes) and the log
-process's peak RSS. From the broker's own /metrics, where an acknowledgement's
+is the lag, 10 s, plus up to 5 s at best). From /proc: the broker's CPU (all its processes), the producer's (this
+process: librdkafka's threads and the loop offering records), the whole
+machine's, and the log process's peak RSS. From the broker's own /metrics, where an acknowledgement's
 time goes: Produce request p50/p99/max (arrival to response, in the workers),
 node object PUT, etcd commit and how late the log process's event loop runs
 what is due (each the upper bound of its histogram bucket; a busy loop makes
@@ -169,6 +170,8 @@ class Run:
     db_mib: float
     lat: list[float]
     cpu: float  # cores, all the broker's processes
+    client_cpu: float  # cores, this process (the producer: librdkafka's threads and the loop offering records)
+    machine_cpu: float  # cores busy on the whole machine (etcd and SeaweedFS included)
     peak_rss_mib: float  # the log process
     idle_kib_per_partition: float
     open_s: float  # one record to every partition, all acknowledged
@@ -179,6 +182,12 @@ class Run:
 
     def per_s(self, what: str) -> float:
         return getattr(self, what) / self.seconds
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (not idle, not waiting on I/O) since boot."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def open_all(bootstrap: str, topic: str, partitions: int) -> None:
@@ -245,8 +254,10 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
         broker_url, etcd_url = f"http://{admin}/metrics", f"http://{stack.etcd_endpoint}/metrics"
         start, hist = stack.server_counts(), histogram_buckets(broker_url, BROKER_HISTOGRAMS)
         disk = histogram_buckets(etcd_url, ETCD_HISTOGRAMS)
+        busy = machine_busy_s(), time.perf_counter()
         with CpuMeter({"broker": [proc.pid, *broker_children(proc.pid)]}) as cpu:
             offered, acked, failed, lat, secs = offer(bootstrap, topic, partitions, rate, seconds, drain)
+        machine = (machine_busy_s() - busy[0]) / (time.perf_counter() - busy[1])
         end, hist_end = stack.server_counts(), histogram_buckets(broker_url, BROKER_HISTOGRAMS)
         broker_ms = stage_ms(hist, hist_end)
         etcd_ms = stage_ms(disk, histogram_buckets(etcd_url, ETCD_HISTOGRAMS))
@@ -258,7 +269,8 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
         proc.wait(120)
     return Run(mode, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"],
                end["txns"] - start["txns"], end["keys"] - start["keys"], end["db"] / (1 << 20), lat,
-               cpu.cores["broker"], peak, idle, open_s, broker_ms, etcd_ms, requests, compacted)
+               cpu.cores["broker"], cpu.cores["bench client"], machine, peak, idle, open_s, broker_ms, etcd_ms,
+               requests, compacted)
 
 
 def report(runs: list[Run], bound: float) -> None:
@@ -284,6 +296,8 @@ def report(runs: list[Run], bound: float) -> None:
             print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s; p50/p99/max ms: "
                   f"{stages}")
             disk = ", ".join(f"{col} {p99:g}/{top:g}" for col, (_, p99, top) in r.etcd_ms.items())
+            print(f"       CPU cores: broker {r.cpu:.2f}, the producer {r.client_cpu:.2f}, the whole machine "
+                  f"{r.machine_cpu:.2f} of {os.cpu_count()}")
             print(f"       in etcd: p99/max ms: {disk}")
             if r.failed or r.acked < r.offered:
                 print(f"       {r.offered - r.acked} records not acknowledged ({r.failed} failed)")
