@@ -64,7 +64,7 @@ class LogService:
             return await self.broker.meta.get_user(msg.name)
 
         calls: dict[type, Any] = {
-            messages.Hello: hello, tuple: lambda msg: self._produce(id(ch), msg),  # a ProduceCall
+            messages.Hello: hello, list: lambda msgs: self._produce(id(ch), msgs),  # ProduceCalls
             messages.Frame: self._frame, messages.OpenView: self._view, messages.GetUser: get_user}
 
         async def on_call(msg: Any) -> Any:
@@ -81,21 +81,25 @@ class LogService:
             self._conn_tasks.discard(task)
 
     # ------------------------------------------------------------------ calls
-    async def _produce(self, worker: int, msg: messages.ProduceCall) -> dict[str, Any] | None:
-        """A connection's produces are appended in the order it sent them (calls
-        start in arrival order and take its lock first thing); other
-        connections' produces do not wait for them, even while this one opens
-        partitions."""
-        conn, version, client_id, client_host, principal, acks, timeout_ms, transactional_id, topics = msg
-        req = {"acks": acks, "timeout_ms": timeout_ms, "transactional_id": transactional_id,
-               "topic_data": [{"name": name, "partition_data": [{"index": p, "records": self._accept(payload)}
-                                                                for p, payload in parts]}
-                              for name, parts in topics]}
+    async def _produce(self, worker: int, msgs: list[messages.ProduceCall]
+                       ) -> list[dict[str, Any] | messages.ProduceFailed | None]:
+        """The produce requests one client connection sent in a row, answered
+        together. A connection's produces are appended in the order it sent
+        them (calls start in arrival order and take its lock first thing);
+        other connections' produces do not wait for them, even while this one
+        opens partitions."""
+        conn, version, client_id, client_host, principal = msgs[0][:5]
+        reqs = [{"acks": acks, "timeout_ms": timeout_ms, "transactional_id": transactional_id,
+                 "topic_data": [{"name": name, "partition_data": [{"index": p, "records": self._accept(payload)}
+                                                                  for p, payload in parts]}
+                                for name, parts in topics]}
+                for *_, acks, timeout_ms, transactional_id, topics in msgs]
         order = self._append_orders.get((worker, conn))
         if order is None:
             order = self._append_orders[(worker, conn)] = asyncio.Lock()
         hdr = RequestContext(PRODUCE.key, version, 0, client_id, False, client_host, principal, append_order=order)
-        return await self.broker.produce_api.produce(hdr, req)
+        return [messages.ProduceFailed(f"{type(r).__name__}: {r}") if isinstance(r, Exception) else r
+                for r in await self.broker.produce_api.produce_all(hdr, reqs)]
 
     def _accept(self, payload: messages.RingPayload | messages.RejectedPayload) -> Accepted | LogError:
         if isinstance(payload, messages.RejectedPayload):

@@ -31,15 +31,23 @@ class Hello:
     slot: int
 
 
-# A Produce request whose payloads are in the rings; answered with the response
-# body (None for acks=0). The one call made for every Produce request travels as
-# a plain tuple: pickling one takes 1.3 µs, a dataclass holding the request dict
-# and a dataclass per payload 9.5 µs (and about as much again to unpickle):
+# A Produce request whose payloads are in the rings. The produce requests a
+# client connection sends in one pass of the worker's event loop go as one call,
+# a list of these, answered with a list: each one's response body (None for
+# acks=0), or a ProduceFailed. Each travels as a plain tuple: pickling one takes
+# 1.3 µs, a dataclass holding the request dict and a dataclass per payload
+# 9.5 µs (and about as much again to unpickle):
 #   (conn, version, client_id, client_host, principal, acks, timeout_ms, transactional_id,
 #    ((topic, ((partition, RingPayload | RejectedPayload), ...)), ...))
 # conn is the client connection within the worker: its appends keep their order.
 ProduceCall = tuple[int, int, str | None, str, str, int, int, str | None,
                     tuple[tuple[str, tuple[tuple[int, RingPayload | RejectedPayload], ...]], ...]]
+
+
+@dataclass(frozen=True)
+class ProduceFailed:
+    """A produce request of a call the log process failed on (the others in the call are answered)."""
+    message: str
 
 
 @dataclass(frozen=True)

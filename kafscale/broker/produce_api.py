@@ -87,57 +87,88 @@ class ProduceApi(PartitionApi):
         self.deadlines = Deadlines()
 
     async def produce(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any] | None:
+        [response] = await self.produce_all(hdr, [req])
+        if isinstance(response, Exception):
+            raise response
+        return response
+
+    async def produce_all(self, hdr: RequestContext, reqs: list[dict[str, Any]]
+                          ) -> list[dict[str, Any] | Exception | None]:
+        """Produce requests one connection sent in a row, appended in that
+        order under its lock, then waited for together: each one's response
+        (None for acks=0), or the exception it failed with (the others are
+        answered all the same)."""
+        for req in reqs:
+            self._start_opening(hdr, req)
+        appended: list[tuple[list[dict[str, Any]], list[tuple[dict[str, Any], asyncio.Future[int] | None]]]
+                       | Exception] = []
+        async with hdr.append_order:  # appends in the order the connection sent them
+            for req in reqs:
+                try:
+                    appended.append(await self._append(hdr, req))
+                except Exception as exc:
+                    log.exception("produce failed")
+                    appended.append(exc)
+        start = time.monotonic()
+        for timeout_ms in sorted({req["timeout_ms"] for req in reqs}):  # each waits its own timeout_ms from now
+            results = [r for req, done in zip(reqs, appended, strict=True)
+                       if req["timeout_ms"] == timeout_ms and req["acks"] != 0 and not isinstance(done, Exception)
+                       for r in done[1]]
+            await self._await_durable(results, start + timeout_ms / 1000 - time.monotonic())
+        return [done if isinstance(done, Exception) else None if req["acks"] == 0
+                else {"responses": done[0], "throttle_time_ms": 0} for req, done in zip(reqs, appended, strict=True)]
+
+    async def _append(self, hdr: RequestContext, req: dict[str, Any]
+                      ) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], asyncio.Future[int] | None]]]:
+        """Append a request's batches (under the connection's lock): its
+        responses, and each partition's response with the future of its
+        batches' durability."""
         acks = req["acks"]
         results: list[tuple[dict[str, Any], asyncio.Future[int] | None]] = []
         responses = []
-        self._start_opening(hdr, req)
-        async with hdr.append_order:  # appends in the order the connection sent them
-            for td in req["topic_data"]:
-                parts = []
-                writable = self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, td["name"])
-                meta = self.partitions.topics.get(td["name"]) if writable else None
-                if meta is None and writable:  # not known here yet: look it up, maybe create it
-                    meta = await self.partitions.topic(td["name"], self.access.may_create_topic(hdr, td["name"]))
-                for pd in td["partition_data"]:
-                    r = {"index": pd["index"], "error_code": 0, "base_offset": -1, "log_append_time_ms": -1,
-                         "log_start_offset": -1, "record_errors": [], "error_message": None}
-                    parts.append(r)
-                    fut = None
-                    accepted: Accepted | LogError | None = pd["records"]
-                    try:
-                        if isinstance(accepted, LogError):
-                            raise accepted
-                        if not writable:
-                            raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not write")
-                        if acks not in (0, 1, -1):
-                            raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
-                        if req.get("transactional_id") is not None:
-                            raise LogError(ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, NO_TRANSACTIONS)
-                        if not has_partition(meta, pd["index"]):
-                            raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{td['name']}/{pd['index']}")
-                        payload, release = accepted
-                        batches = _native.scan_batches(payload)
-                        limit = topic_config.value(meta.config, "max.message.bytes", self.partitions.defaults)
-                        if any(b.size > limit for b in batches):
-                            raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
-                        lg = (self.partitions.open_log(meta.name, pd["index"])  # without a coroutine when open
-                              or await self.partitions.partition_log(meta.name, pd["index"]))
-                        base, fut = lg.append(payload, batches, acks != 0, release)
-                        accepted = None  # the log releases the payload now
-                        r["base_offset"] = base
-                        r["log_start_offset"] = lg.log_start
-                    except LogError as exc:
-                        r["error_code"], r["error_message"] = exc.code, str(exc)
-                        log.info("produce %s/%s rejected: %s %s", td["name"], pd["index"], exc.code.name, exc)
-                    finally:
-                        if isinstance(accepted, tuple):
-                            accepted[1]()
-                    results.append((r, fut))
-                responses.append({"name": td["name"], "partition_responses": parts})
-        if acks == 0:
-            return None
-        await self._await_durable(results, req["timeout_ms"] / 1000)
-        return {"responses": responses, "throttle_time_ms": 0}
+        for td in req["topic_data"]:
+            parts = []
+            writable = self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, td["name"])
+            meta = self.partitions.topics.get(td["name"]) if writable else None
+            if meta is None and writable:  # not known here yet: look it up, maybe create it
+                meta = await self.partitions.topic(td["name"], self.access.may_create_topic(hdr, td["name"]))
+            for pd in td["partition_data"]:
+                r = {"index": pd["index"], "error_code": 0, "base_offset": -1, "log_append_time_ms": -1,
+                     "log_start_offset": -1, "record_errors": [], "error_message": None}
+                parts.append(r)
+                fut = None
+                accepted: Accepted | LogError | None = pd["records"]
+                try:
+                    if isinstance(accepted, LogError):
+                        raise accepted
+                    if not writable:
+                        raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not write")
+                    if acks not in (0, 1, -1):
+                        raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
+                    if req.get("transactional_id") is not None:
+                        raise LogError(ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, NO_TRANSACTIONS)
+                    if not has_partition(meta, pd["index"]):
+                        raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{td['name']}/{pd['index']}")
+                    payload, release = accepted
+                    batches = _native.scan_batches(payload)
+                    limit = topic_config.value(meta.config, "max.message.bytes", self.partitions.defaults)
+                    if any(b.size > limit for b in batches):
+                        raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
+                    lg = (self.partitions.open_log(meta.name, pd["index"])  # without a coroutine when open
+                          or await self.partitions.partition_log(meta.name, pd["index"]))
+                    base, fut = lg.append(payload, batches, acks != 0, release)
+                    accepted = None  # the log releases the payload now
+                    r["base_offset"] = base
+                    r["log_start_offset"] = lg.log_start
+                except LogError as exc:
+                    r["error_code"], r["error_message"] = exc.code, str(exc)
+                    log.info("produce %s/%s rejected: %s %s", td["name"], pd["index"], exc.code.name, exc)
+                finally:
+                    if isinstance(accepted, tuple):
+                        accepted[1]()
+                results.append((r, fut))
+            responses.append({"name": td["name"], "partition_responses": parts})
+        return responses, results
 
     def _start_opening(self, hdr: RequestContext, req: dict[str, Any]) -> None:
         """Start opening the partitions a request may write to that are not

@@ -16,7 +16,7 @@ from typing import Any
 from kafscale import _native, metrics
 from kafscale.broker import messages
 from kafscale.broker.context import RequestContext
-from kafscale.broker.ipc import Channel, ChannelClosed
+from kafscale.broker.ipc import Channel, ChannelClosed, RemoteError
 from kafscale.broker.server import (
     ON_SENT,
     SESSION,
@@ -113,6 +113,8 @@ class Worker:
         self._changed = asyncio.Event()
         self._opening = 0  # views being opened: their events may arrive before the view exists
         self._early: list[messages.PartitionChanged] = []
+        # produce calls of each client connection not sent yet, with their replies
+        self._produces: dict[int, list[tuple[messages.ProduceCall, asyncio.Future[Any]]]] = {}
         # this process's children of the byte counters (a labels() lookup per request cost 4% of a worker)
         self._produce_bytes = metrics.Tally(metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process()))
         self._fetch_bytes = metrics.Tally(metrics.FETCH_BYTES.labels(metrics.node(), metrics.process()))
@@ -188,6 +190,7 @@ class Worker:
         assert self.chan is not None
         try:
             async with hdr.append_order:
+                self._send_produces(SESSION.get().conn)  # after the produces the connection sent before it
                 call = messages.Frame(hdr.client_host, hdr.principal, bytes(frame))
                 result: messages.FrameResult = await self.chan.call(call)
         except ChannelClosed:
@@ -198,24 +201,64 @@ class Worker:
 
     async def produce(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any] | None:
         """Validate each payload and put it in the ring; the log process does
-        the rest (in the order this connection sent them, since the call is
-        sent before this coroutine first yields)."""
+        the rest (in the order this connection sent them: the call is queued
+        before this coroutine first yields)."""
         assert self.chan is not None
+        if self.chan.closed:
+            raise ProtocolViolation("the broker is shutting down")
         topics = tuple((td["name"], tuple((pd["index"], self._stage(pd["records"])) for pd in td["partition_data"]))
                        for td in req["topic_data"])
         call: messages.ProduceCall = (SESSION.get().conn, hdr.api_version, hdr.client_id, hdr.client_host,
                                       hdr.principal, req["acks"], req["timeout_ms"], req["transactional_id"], topics)
-        try:
-            reply = self.chan.call(call)
-        except ChannelClosed:
-            raise ProtocolViolation("the broker is shutting down") from None
+        reply = self._queue_produce(call)
         if req["acks"] == 0:
-            reply.add_done_callback(lambda f: f.exception())
+            reply.add_done_callback(lambda f: f.cancelled() or f.exception())
             return None
         try:
             return await reply
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
+
+    def _queue_produce(self, call: messages.ProduceCall) -> asyncio.Future[Any]:
+        """A produce call's future reply. The calls a connection makes in one
+        pass of the event loop go to the log process as one: librdkafka sends
+        a Produce request per partition, ten and more at once, and one call
+        each cost the log process a task, a wait and a reply each."""
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[Any] = loop.create_future()
+        queued = self._produces.get(call[0])
+        if queued is None:
+            queued = self._produces[call[0]] = []
+            loop.call_soon(self._send_produces, call[0])
+        queued.append((call, reply))
+        return reply
+
+    def _send_produces(self, conn: int) -> None:
+        """Send a connection's queued produce calls as one; its replies (a list) answer each."""
+        queued = self._produces.pop(conn, None)
+        if not queued:
+            return
+        assert self.chan is not None
+        try:
+            replies = self.chan.call([call for call, _ in queued])
+        except ChannelClosed as exc:
+            replies = asyncio.get_running_loop().create_future()
+            replies.set_exception(exc)
+
+        def answered(replies: asyncio.Future[list[Any]]) -> None:
+            exc = replies.exception()
+            for i, (_, reply) in enumerate(queued):
+                if reply.done():  # its request was cancelled (the client went away)
+                    continue
+                result = exc or replies.result()[i]
+                if isinstance(result, messages.ProduceFailed):
+                    reply.set_exception(RemoteError(result.message))
+                elif isinstance(result, BaseException):
+                    reply.set_exception(result)
+                else:
+                    reply.set_result(result)
+
+        replies.add_done_callback(answered)
 
     def _stage(self, payload: memoryview | None) -> messages.RingPayload | messages.RejectedPayload:
         if payload is None or len(payload) == 0:

@@ -218,6 +218,36 @@ def test_pipelined_produces_append_in_send_order(make_broker, topic_name):
     assert bases == [sum(sizes[:i]) for i in range(len(sizes))]
 
 
+def test_produces_sent_at_once_are_answered_each_in_order(make_broker, topic_name):
+    """Produces a connection sends at once reach the log process together
+    (one call from the worker): each is still answered on its own, in order,
+    with its own offsets or error; acks=0 ones get no response, and a
+    request with a shorter timeout_ms in between changes nothing."""
+    b = make_broker()
+    create_topic(b.bootstrap, topic_name, partitions=2)
+    c = RawClient(b.bootstrap)
+    plan = [(0, -1, 10000), (1, -1, 10000), (0, 0, 10000), (7, -1, 10000), (0, 1, 500), (1, -1, 10000),
+            (0, -1, 10000)]  # (partition, acks, timeout_ms); partition 7 does not exist
+    frames = b""
+    for corr, (p, acks, timeout_ms) in enumerate(plan):
+        batch = _native.build_batch([(1000, f"{corr}".encode(), b"v", [])])
+        body = {"acks": acks, "timeout_ms": timeout_ms,
+                "topic_data": [{"name": topic_name, "partition_data": [{"index": p, "records": batch}]}]}
+        frames += encode_request(PRODUCE.key, 9, corr, body)
+    c.send_bytes(frames)
+    got = {}
+    for _ in range(len(plan) - 1):  # every one but the acks=0 one
+        frame = c.read_frame()
+        assert frame is not None
+        corr, resp = decode_response(PRODUCE.key, 9, frame)
+        r = resp["responses"][0]["partition_responses"][0]
+        got[corr] = (r["error_code"], r["base_offset"])
+    c.close()
+    assert list(got) == [0, 1, 3, 4, 5, 6], "answered in the order sent, the acks=0 one not at all"
+    assert got[3][0] == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+    assert {k: v for k, v in got.items() if k != 3} == {0: (0, 0), 1: (0, 0), 4: (0, 2), 5: (0, 1), 6: (0, 3)}
+
+
 def test_restart_serves_from_s3(make_broker, topic_name):
     b = make_broker()
     create_topic(b.bootstrap, topic_name)
