@@ -1,10 +1,10 @@
 """The log process's service to its workers, over a Unix socket: it answers
 the calls of messages.py (Hello, ProduceCall, Frame, OpenView, GetUser) through
-one dispatch table, and sends every worker a list of PartitionChanged
-whenever partition logs commit segments or slices, move their start offsets
-or close (the changes of one pass of the event loop together: a node flush
-changes every partition it holds at once), and AclsChanged when the ACLs
-change."""
+one dispatch table, and sends a worker a list of PartitionChanged whenever
+partition logs it has opened a view of (to fetch from them) commit segments
+or slices, move their start offsets or close (the changes of one pass of the
+event loop together: a node flush changes every partition it holds at once),
+and every worker AclsChanged when the ACLs change."""
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +40,10 @@ class LogService:
         # (worker, client connection) -> the lock its appends take, in the order it sent them
         self._append_orders: weakref.WeakValueDictionary[tuple[int, int], asyncio.Lock] = (
             weakref.WeakValueDictionary())
-        self._changes: list[messages.PartitionChanged] = []  # not sent yet
+        # the workers with a view of each partition: only they are sent its changes (a partition
+        # no client fetches from, written only, or read by Spark from S3, costs no event)
+        self._viewers: dict[tuple[str, int], set[Channel]] = {}
+        self._changes: list[tuple[messages.PartitionChanged, set[Channel]]] = []  # not sent yet, and to whom
         broker.partitions.on_change = self._changed
         broker.access.on_acls = self._acls_changed
 
@@ -65,7 +68,8 @@ class LogService:
 
         calls: dict[type, Any] = {
             messages.Hello: hello, list: lambda msgs: self._produce(id(ch), msgs),  # ProduceCalls
-            messages.Frame: self._frame, messages.OpenView: self._view, messages.GetUser: get_user}
+            messages.Frame: self._frame, messages.OpenView: lambda msg: self._view(ch, msg),
+            messages.GetUser: get_user}
 
         async def on_call(msg: Any) -> Any:
             return await calls[type(msg)](msg)
@@ -78,6 +82,8 @@ class LogService:
             await ch.serve()
         finally:
             self.channels.discard(ch)
+            for viewers in self._viewers.values():
+                viewers.discard(ch)
             self._conn_tasks.discard(task)
 
     # ------------------------------------------------------------------ calls
@@ -118,7 +124,7 @@ class LogService:
             return messages.FrameResult(violation=str(exc))
         return messages.FrameResult(None if chunks is None else b"".join(chunks))
 
-    async def _view(self, msg: messages.OpenView) -> messages.PartitionSnapshot | messages.ViewRefused:
+    async def _view(self, ch: Channel, msg: messages.OpenView) -> messages.PartitionSnapshot | messages.ViewRefused:
         partitions, p = self.broker.partitions, msg.partition
         meta = (await partitions.topic(msg.topic) if msg.topic is not None
                 else await partitions.topic_by_id(msg.topic_id or b""))
@@ -130,6 +136,7 @@ class LogService:
         except LogError as exc:
             return messages.ViewRefused(exc.code, str(exc))
         cached = {m.ref: ref for m in lg.segments if (ref := self.cache.ref(m.ref)) is not None}
+        self._viewers.setdefault((lg.topic, lg.partition), set()).add(ch)  # its changes after this snapshot
         self._send_changes()  # the worker applies the changes before this snapshot first
         return messages.PartitionSnapshot(meta.name, meta.id, lg.hw, lg.log_start, list(lg.segments), cached)
 
@@ -138,18 +145,29 @@ class LogService:
         self._broadcast(messages.AclsChanged([a.to_json() for a in acls]))
 
     def _changed(self, lg: PartitionLog, manifest: SegmentManifest | None) -> None:
+        tp = (lg.topic, lg.partition)
+        viewers = self._viewers.pop(tp, None) if lg.closed else self._viewers.get(tp)  # a closed log's views end
+        if not viewers:
+            return
         ref = self.cache.ref(manifest.ref) if manifest is not None else None
         if not self._changes:
             asyncio.get_running_loop().call_soon(self._send_changes)
-        self._changes.append(messages.PartitionChanged(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start,
-                                                       manifest, ref))
+        self._changes.append((messages.PartitionChanged(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start,
+                                                        manifest, ref), viewers))
 
     def _send_changes(self) -> None:
+        """Send each worker the changes of the partitions it views, pickled
+        once for all the workers that get the same ones."""
         changes, self._changes = self._changes, []
-        if changes:
-            self._broadcast(changes)
+        encoded: dict[tuple[int, ...], bytes] = {}
+        for ch in list(self.channels):
+            mine = tuple(i for i, (_, viewers) in enumerate(changes) if ch in viewers)
+            if mine and not ch.closed:
+                if mine not in encoded:
+                    encoded[mine] = Channel.encode_event([changes[i][0] for i in mine])
+                ch.send_encoded(encoded[mine])
 
-    def _broadcast(self, event: messages.AclsChanged | list[messages.PartitionChanged]) -> None:
+    def _broadcast(self, event: messages.AclsChanged) -> None:
         encoded = Channel.encode_event(event)  # once for every worker
         for ch in list(self.channels):
             if not ch.closed:
