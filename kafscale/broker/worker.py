@@ -222,7 +222,7 @@ class Worker:
     def _queue_produce(self, call: messages.ProduceCall) -> asyncio.Future[Any]:
         """A produce call's future reply. The calls a connection makes in one
         pass of the event loop go to the log process as one: librdkafka sends
-        a Produce request per partition, ten and more at once, and one call
+        a Produce request per partition, ten and more at once, and a call
         each cost the log process a task, a wait and a reply each."""
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[Any] = loop.create_future()

@@ -583,26 +583,27 @@ class MetaStore:
             out[key] = out.get(key, 0) + json.loads(kv.value)["size"]
         return out
 
-    async def partition_states(self) -> dict[TopicPartition, PartitionState]:
-        """The state of every partition ever claimed (one paged scan)."""
+    async def _partition_keys(self) -> AsyncIterator[tuple[str, str, Any]]:
+        """(topic, partition as written in the key, state as JSON) of every
+        partition ever claimed, in one paged scan."""
         base = self.k("partitions", "")
-        out = {}
         async for kv in self.scan(base):
             topic, _, p = kv.key[len(base):].decode().rpartition("/")
-            out[TopicPartition(name_of(topic), int(p))] = PartitionState(**json.loads(kv.value))
-        return out
+            yield name_of(topic), p, json.loads(kv.value)
+
+    async def partition_states(self) -> dict[TopicPartition, PartitionState]:
+        """The state of every partition ever claimed."""
+        return {TopicPartition(topic, int(p)): PartitionState(**state)
+                async for topic, p, state in self._partition_keys()}
 
     async def partition_marks(self) -> tuple[dict[str, int], dict[str, int]]:
         """The high watermark and the log start offset of every partition ever
         claimed, by "topic/partition": the collector's pass at 10,000
         partitions made 40,000 objects of partition_states() at once, and the
         garbage collector's scan of them held the event loop for 40-70 ms."""
-        base = self.k("partitions", "")
         hw, log_start = {}, {}
-        async for kv in self.scan(base):
-            topic, _, p = kv.key[len(base):].decode().rpartition("/")
-            state = json.loads(kv.value)
-            key = f"{name_of(topic)}/{p}"
+        async for topic, p, state in self._partition_keys():
+            key = f"{topic}/{p}"
             hw[key], log_start[key] = state["hw"], state["log_start"]
         return hw, log_start
 
