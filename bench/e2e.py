@@ -52,15 +52,16 @@ from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY, DevStack, free_por
 from kafscale.storage.objectstore import ObjectStore
 
 
-def _store(stack: DevStack) -> ObjectStore:
-    return ObjectStore(stack.bucket, stack.s3_endpoint, access_key=DEV_ACCESS_KEY, secret_key=DEV_SECRET_KEY,
+def dev_store(bucket: str, endpoint: str) -> ObjectStore:
+    """An ObjectStore of a dev stack's S3 server, every PUT in one request."""
+    return ObjectStore(bucket, endpoint, access_key=DEV_ACCESS_KEY, secret_key=DEV_SECRET_KEY,
                        multipart_threshold=1 << 40)
 
 
 async def raw_put_mbps(stack: DevStack, total_mib: int, object_mib: int = 8) -> float:
     """MiB/s of sequential 8 MiB PUTs."""
     data = os.urandom(object_mib << 20)
-    async with _store(stack) as store:
+    async with dev_store(stack.bucket, stack.s3_endpoint) as store:
         await store.put(f"bench/warmup-{uuid.uuid4()}", data[:1 << 20], if_none_match=False)
         t0 = time.perf_counter()
         n = max(total_mib // object_mib, 1)
@@ -76,7 +77,7 @@ async def put_latencies(stack: DevStack) -> list[float]:
     was the second largest, and ranged from 4.9 to 9.6 ms over seven runs."""
     data = os.urandom(64 << 10)
     out = []
-    async with _store(stack) as store:
+    async with dev_store(stack.bucket, stack.s3_endpoint) as store:
         for i in range(1000):
             t = time.perf_counter()
             await store.put(f"bench/small-{uuid.uuid4()}-{i}", data)
@@ -92,7 +93,8 @@ async def raw_get_mbps(stack: DevStack, prefix: str) -> float:
     MiB/s), so the baseline is the faster of the two."""
     session = aioboto3.Session(aws_access_key_id=DEV_ACCESS_KEY, aws_secret_access_key=DEV_SECRET_KEY,
                                region_name="us-east-1")
-    async with _store(stack) as store, session.client("s3", endpoint_url=stack.s3_endpoint) as s3:
+    async with (dev_store(stack.bucket, stack.s3_endpoint) as store,
+                session.client("s3", endpoint_url=stack.s3_endpoint) as s3):
         keys = [o["Key"] for o in await store.list(prefix) if o["Key"].endswith(".kfs")]
         t0 = time.perf_counter()
         total = 0
