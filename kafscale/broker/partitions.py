@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import math
 import time
@@ -41,6 +42,7 @@ from kafscale.security.acl import Operation, ResourceType
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
+from kafscale.storage.segment import topic_marker_key
 from kafscale.storage.shared import SHARED_OBJECT_BYTES, SHARED_SEGMENT_BYTES, compact_shared
 from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, in_turns
 
@@ -156,6 +158,7 @@ class PartitionRegistry:
         self.flusher = NodeFlusher(cfg, store, meta, self._topic_id, self._fenced) if cfg.node_flush else None
         self.wal = WalIndex(meta)
         self.sweeper = OrphanSweeper(store, cfg.namespace)
+        self._markers: dict[bytes, asyncio.Future[None]] = {}  # topic id -> its marker written (or under way)
         self._refencing = False  # taking a new fence: no partition opens
         self._refence_lock = asyncio.Lock()
 
@@ -307,6 +310,7 @@ class PartitionRegistry:
         meta = self.topics.get(topic) or await self.topic(topic)
         if meta is None:
             raise KeyError(topic)
+        await self._marked(meta)
         node = (self.flusher, self.wal, meta.id) if self.flusher is not None else None
         lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self.read_budget,
                           lambda lg, m: self.on_change(lg, m), node)
@@ -324,6 +328,19 @@ class PartitionRegistry:
         await lg.load()
         self.sweeper.sweep(lg, meta.partitions)
         return lg
+
+    async def _marked(self, meta: TopicMeta) -> None:
+        """Write the topic's marker (its id) before this broker opens its first
+        log of it: a reader without etcd then reads no shared segment that a
+        deleted topic of the same name left. Once per topic id (a failed
+        write is tried again by the next open)."""
+        fut = self._markers.get(meta.id)
+        if fut is None:
+            body = json.dumps({"topic": meta.name, "id": meta.id.hex()}).encode()
+            fut = self._markers[meta.id] = asyncio.ensure_future(
+                self.store.put(topic_marker_key(self.cfg.namespace, meta.name), body, if_none_match=False))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._markers.pop(meta.id))
+        await asyncio.shield(fut)
 
     async def release_partition(self, topic: str, p: int, lg: PartitionLog, drain_s: float = 10) -> None:
         self.logs.pop((topic, p), None)

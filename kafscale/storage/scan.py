@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import functools
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,6 +32,7 @@ from kafscale.storage.segment import (
     index_key,
     parse_index,
     parse_segment_key,
+    topic_marker_key,
 )
 from kafscale.storage.wal import by_partition, continuing, read_node_directory, shared_prefix
 
@@ -160,15 +162,18 @@ async def _from_listing(opts: StoreOptions, topic: str) -> dict[int, tuple[list[
     Only the newest .kfs footer is read."""
     own: dict[int, dict[int, tuple[int, str, int]]] = {}  # partition: base: (epoch, key, size)
     shared: dict[int, list[Segment]] = {}
+    marker, topic_id = topic_marker_key(opts.namespace, topic), None
     async with opts.store() as store:
         for obj in await store.list(f"{opts.namespace}/{topic}/"):
+            if obj["Key"] == marker:
+                topic_id = json.loads(await store.get(marker))["id"]
             k = parse_segment_key(obj["Key"])
             if k is None or k.kind != "kfs" or not obj["Key"].startswith(f"{opts.namespace}/{topic}/"):
                 continue
             cur = own.setdefault(k.partition, {}).get(k.base_offset)
             if cur is None or k.epoch > cur[0]:
                 own[k.partition][k.base_offset] = (k.epoch, obj["Key"], int(obj["Size"]))
-        for s in await _shared_segments(store, opts.namespace, topic):
+        for s in await _shared_segments(store, opts.namespace, topic, topic_id):
             shared.setdefault(s.partition, []).append(s)
         out = {}
         for p in own.keys() | shared.keys():
@@ -206,10 +211,12 @@ def _walk(found: list[Segment]) -> list[Segment]:
         offset, best = best.last + 1, None
 
 
-async def _shared_segments(store: ObjectStore, namespace: str, topic: str) -> list[Segment]:
+async def _shared_segments(store: ObjectStore, namespace: str, topic: str, topic_id: str | None
+                           ) -> list[Segment]:
     """The topic's segments in every shared segment object in the bucket, as
     their directories (read with two ranged GETs each, LISTING_READS at once)
-    name them."""
+    name them: those of this topic id where it is known (its marker), so none
+    of a deleted topic of the same name."""
     objects = await store.list(shared_prefix(namespace))
     found: list[Segment] = []
     for at in range(0, len(objects), LISTING_READS):
@@ -217,7 +224,8 @@ async def _shared_segments(store: ObjectStore, namespace: str, topic: str) -> li
                                       for o in objects[at:at + LISTING_READS]))
         for o, d in zip(objects[at:at + LISTING_READS], dirs, strict=True):
             found.extend(Segment(s["partition"], o["Key"], s["base"], s["last"], s["size"], s["min_ts"], s["max_ts"],
-                                 s["pos"]) for s in d["slices"] if s["topic"] == topic)
+                                 s["pos"]) for s in d["slices"]
+                         if s["topic"] == topic and topic_id in (None, s["topic_id"]))
     return found
 
 
@@ -225,8 +233,6 @@ def parse_offsets(spec: str | None, topic: str, default: int) -> dict[int, int] 
     """Kafka's startingOffsets / endingOffsets: "earliest", "latest" or JSON
     {"topic": {"0": 23, "1": -2}}, or one number for every partition. Returns one offset for every partition, or
     a per-partition map (partitions not named take `default`)."""
-    import json
-
     if spec is None or spec == "":
         return default
     if spec in ("earliest", "latest"):

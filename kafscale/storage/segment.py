@@ -45,6 +45,13 @@ def segment_key(namespace: str, topic: str, partition: int, base_offset: int, ep
     return f"{namespace}/{topic}/{partition}/segment-{base_offset:020d}-{epoch:010d}.kfs"
 
 
+def topic_marker_key(namespace: str, topic: str) -> str:
+    """The object naming the topic's current incarnation: JSON {"topic", "id"}
+    (id: hex UUID). A reader without etcd tells by it which segments in shared
+    objects are this topic's and which a deleted topic of the same name left."""
+    return f"{namespace}/{topic}/topic.json"
+
+
 def index_key(segment: str) -> str:
     return segment[: -len(".kfs")] + ".index"
 

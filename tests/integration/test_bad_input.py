@@ -16,6 +16,7 @@ import pytest
 from kafscale import _native
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.schemas import API_VERSIONS, LIST_OFFSETS, METADATA, PRODUCE
+from kafscale.storage.segment import parse_segment_key
 from tests.conftest import BrokerProcess
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 from tests.integration.rawclient import RawClient
@@ -60,8 +61,9 @@ def latest_offset(c: RawClient, topic: str) -> int:
 
 
 def segment_objects(stack, b, topic: str) -> list[str]:
+    """The topic's segment and index objects (not its marker)."""
     r = stack.s3_client().list_objects_v2(Bucket=stack.bucket, Prefix=f"{b.cluster}/{topic}/")
-    return [o["Key"] for o in r.get("Contents", [])]
+    return [o["Key"] for o in r.get("Contents", []) if parse_segment_key(o["Key"]) is not None]
 
 
 @pytest.mark.parametrize("name,payload,reason", [

@@ -11,13 +11,14 @@ import time
 import aetcd
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from kafscale import _native, faults
 from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
 from kafscale.metadata.store import MetaStore
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.scan import StoreOptions, plan, read_slice
-from kafscale.storage.segment import index_key, key_epoch
+from kafscale.storage.segment import index_key, key_epoch, topic_marker_key
 from kafscale.storage.wal import Collector, node_prefix, shared_prefix
 from tests.integration.clients import create_topic
 from tests.integration.s3log import S3RequestLog
@@ -116,7 +117,7 @@ def count_keys(stack, cluster: str, area: str) -> int:
 
 
 def unnamed_objects(stack, cluster: str, topic: str, partitions: int) -> list[tuple[str, int, int]]:
-    """The topic's objects no manifest names (uploaded, never committed), each with
+    """The topic's segment objects no manifest names (uploaded, never committed), each with
     its epoch and its partition's owner epoch now."""
     async def run() -> tuple[set[str], dict[str, int]]:
         meta = MetaStore(stack.etcd_endpoint, cluster=cluster)
@@ -133,7 +134,7 @@ def unnamed_objects(stack, cluster: str, topic: str, partitions: int) -> list[tu
 
     named, epochs = asyncio.run(run())
     return [(k, key_epoch(k) or 0, epochs[k.rsplit("/", 1)[0] + "/"])
-            for k in s3_keys(stack, f"{cluster}/{topic}/") if k not in named]
+            for k in s3_keys(stack, f"{cluster}/{topic}/") if k not in named and k != topic_marker_key(cluster, topic)]
 
 
 def spark_read(stack, cluster: str, topic: str, starting: str | None = None, etcd: bool = True
@@ -164,8 +165,9 @@ def test_three_clients_on_a_thousand_partitions_one_object_per_flush(make_broker
              **produce_aiokafka(b.bootstrap, topic_name, spread("aiokafka", PARTITIONS))}
     assert len(acked) == 4 * PARTITIONS
     # one object per flush cycle, with a slice of each partition that had batches, and no index object:
-    # one PUT per object, where a flush of each partition took two (its segment and index): 4x fewer here
-    puts = stack.server_counts()["puts"] - puts_before
+    # one PUT per object, where a flush of each partition took two (its segment and index): 4x fewer here;
+    # and one for the topic's marker
+    puts = stack.server_counts()["puts"] - puts_before - 1
     directories = wal_directories(stack, b.cluster)
     slices = sum(len(json.loads(d)["slices"]) for d in directories)
     assert puts == len(directories) and 4 * puts <= 2 * slices, (puts, len(directories), slices)
@@ -229,6 +231,31 @@ def test_slow_partitions_merge_their_small_segments_so_keys_do_not_grow_with_tim
         live = {json.loads(m)["key"] for m in wal_directories(stack, b.cluster, f"segments/{topic_name}")}
         return {json.loads(d)["key"] for d in wal_directories(stack, b.cluster, "shared")} == live
     wait_for(only_live_objects_named, 30, "the merged shared objects to be forgotten")
+
+
+def test_a_bucket_listing_reads_nothing_of_a_deleted_topic_of_the_same_name(make_broker, stack, topic_name):
+    """A topic deleted and created again under the same name: the first
+    one's shared segments stay in their objects for a while (a grace period
+    after the collector forgets them, or as long as another topic's segments
+    in the same object live). The bucket listing reads only the topic's
+    current segments, told apart by the id in its marker object."""
+    b = make_broker(compaction_lag_ms=300)
+    other, partitions = f"{topic_name}-other", 4
+    admin = AdminClient({"bootstrap.servers": b.bootstrap})
+    for name in (topic_name, other):
+        create_topic(b.bootstrap, name, partitions=partitions)
+    old = produce_confluent(b.bootstrap, topic_name, [(p, b"old-%d-%d" % (p, i)) for p in range(partitions)
+                                                      for i in range(3)])
+    kept = produce_confluent(b.bootstrap, other, [(p, b"other-%d" % p) for p in range(partitions)])
+    wait_for(lambda: not count_keys(stack, b.cluster, "wal"), 30, "the first topic compacted")
+    assert spark_read(stack, b.cluster, topic_name, etcd=False) == old
+    admin.delete_topics([topic_name])[topic_name].result(60)
+    create_topic(b.bootstrap, topic_name, partitions=partitions)
+    new = produce_confluent(b.bootstrap, topic_name, [(p, b"new-%d" % p) for p in range(partitions)])
+    wait_for(lambda: not count_keys(stack, b.cluster, "wal"), 30, "the second topic compacted")
+    assert spark_read(stack, b.cluster, topic_name) == new
+    assert spark_read(stack, b.cluster, topic_name, etcd=False) == new
+    assert spark_read(stack, b.cluster, other, etcd=False) == kept
 
 
 def test_the_spark_reader_starts_inside_the_first_slice_of_a_node_object(make_broker, stack, topic_name):
