@@ -23,7 +23,7 @@ from kafscale.storage.wal import Collector, node_prefix, shared_prefix
 from tests.integration.clients import create_topic
 from tests.integration.s3log import S3RequestLog
 from tests.integration.test_groups import wait_for
-from tests.integration.test_topics_offsets import etcd_keys, s3_keys
+from tests.integration.test_topics_offsets import etcd_keys, s3_keys, segments_cli
 
 PARTITIONS = 1000
 
@@ -237,8 +237,9 @@ def test_a_bucket_listing_reads_nothing_of_a_deleted_topic_of_the_same_name(make
     """A topic deleted and created again under the same name: the first
     one's shared segments stay in their objects for a while (a grace period
     after the collector forgets them, or as long as another topic's segments
-    in the same object live). The bucket listing reads only the topic's
-    current segments, told apart by the id in its marker object."""
+    in the same object live). The bucket listing and `kafscale segments ls`
+    show only the topic's current segments, told apart by the id in its
+    marker object."""
     b = make_broker(compaction_lag_ms=300)
     other, partitions = f"{topic_name}-other", 4
     admin = AdminClient({"bootstrap.servers": b.bootstrap})
@@ -256,6 +257,11 @@ def test_a_bucket_listing_reads_nothing_of_a_deleted_topic_of_the_same_name(make
     assert spark_read(stack, b.cluster, topic_name) == new
     assert spark_read(stack, b.cluster, topic_name, etcd=False) == new
     assert spark_read(stack, b.cluster, other, etcd=False) == kept
+    # each partition's one record (in its segment, and in its node object until that is deleted); the first
+    # topic had three a partition
+    listed = [line.split() for line in segments_cli(b, "ls", "--topic", topic_name).splitlines()[1:]]
+    assert {int(part) for part, *_ in listed} == set(range(partitions)), listed
+    assert {(base, count) for _, base, count, *_ in listed} == {("0", "1")}, listed
 
 
 def test_the_spark_reader_starts_inside_the_first_slice_of_a_node_object(make_broker, stack, topic_name):
