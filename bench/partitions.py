@@ -29,8 +29,8 @@ adding only one slow commit to the broker's histogram.
 The latency bound: linger + 2 x p99 of a 64 KiB S3 PUT + p99 of a one-key
 etcd transaction. Measured twice: once on the idle machine before the brokers
 start, and during each load by a probe process of its own (a PUT and a
-transaction every 100 ms against the same SeaweedFS and etcd; its requests
-are left out of the counts above). The second is the storage the
+transaction sent every 100 ms, not waiting for the ones before, against the
+same SeaweedFS and etcd; its requests are left out of the counts above). The second is the storage the
 acknowledgements actually waited on: under the load, PUTs and fsyncs are
 slower than on the idle machine, and every few seconds one stalls for
 hundreds of ms (in both the probe's and the broker's), which the idle
@@ -104,21 +104,30 @@ PROBE_INTERVAL_S = 0.1
 
 def _probe(bucket: str, s3_endpoint: str, etcd_endpoint: str, conn: Connection) -> None:
     """In a process of its own: a 64 KiB S3 PUT and a one-key etcd transaction
-    every PROBE_INTERVAL_S until told to stop; then sends their latencies."""
+    started every PROBE_INTERVAL_S until told to stop, each whether or not the
+    ones before have finished (as the producer offers its records); then sends
+    their latencies, each from the moment it was sent."""
     async def run() -> tuple[list[float], list[float]]:
-        data, puts, txns = os.urandom(64 << 10), [], []
+        data = os.urandom(64 << 10)
         store = dev_store(bucket, s3_endpoint)
         prefix = f"bench/probe-{uuid.uuid4().hex}/"
+
+        async def put(i: int) -> float:
+            t = time.perf_counter()
+            await store.put(f"{prefix}{i}", data)
+            return time.perf_counter() - t
+
         async with store, _etcd(etcd_endpoint) as txn:
             conn.send("ready")
+            sent: list[asyncio.Task[float]] = []
+            due = time.perf_counter()
             while not conn.poll():
-                t = time.perf_counter()
-                await store.put(f"{prefix}{len(puts)}", data)
-                puts.append(time.perf_counter() - t)
-                txns.append(await txn(len(txns)))
-                await asyncio.sleep(max(t + PROBE_INTERVAL_S - time.perf_counter(), 0))
+                sent += [asyncio.create_task(put(len(sent))), asyncio.create_task(txn(len(sent)))]
+                due += PROBE_INTERVAL_S
+                await asyncio.sleep(max(due - time.perf_counter(), 0))
+            done = await asyncio.gather(*sent)
             await store.delete_prefix(prefix)
-        return puts, txns
+        return done[0::2], done[1::2]
 
     conn.send(asyncio.run(run()))
 
@@ -126,7 +135,10 @@ def _probe(bucket: str, s3_endpoint: str, etcd_endpoint: str, conn: Connection) 
 class StorageProbe:
     """S3 PUT and etcd transaction latencies as a client of the same servers
     sees them while the block runs (the probe is a process of its own, so
-    neither the producer's loop nor the broker's delays its timings); its
+    neither the producer's loop nor the broker's delays its timings). Its
+    requests go out at a steady rate like the producer's records: one that
+    waited for the one before would send a single request through a stall
+    of the store, which holds every record offered meanwhile; its
     requests are counted, to be left out of the servers' counts."""
 
     def __init__(self, stack: DevStack) -> None:
