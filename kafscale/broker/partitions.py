@@ -245,13 +245,18 @@ class PartitionRegistry:
         self.topics.pop(name)
 
     async def drop_topic(self, name: str) -> None:
-        """Delete a topic's etcd keys and then its objects."""
+        """Delete a topic's etcd keys and then its objects. Its marker goes
+        first, while etcd still names this topic: once the keys are gone the
+        name may be created again, and the new topic's marker must stay."""
         await self.forget_topic(name)
+        marker = topic_marker_key(self.cfg.namespace, name)
+        await self.store.delete(marker)
         await self.meta.delete_topic(name)
         prefix = f"{self.cfg.namespace}/{name}/"
         self.cache.drop_prefix(prefix)
-        n = await self.store.delete_prefix(prefix)
-        log.info("deleted topic %s (%d objects)", name, n)
+        keys = [o["Key"] for o in await self.store.list(prefix) if o["Key"] != marker]
+        await self.store.delete_many(keys)
+        log.info("deleted topic %s (%d objects and its marker)", name, len(keys))
 
     # ------------------------------------------------------------------- logs
     async def partition_log(self, topic: str, p: int) -> PartitionLog:

@@ -20,6 +20,7 @@ from kafscale.protocol.errors import ErrorCode
 from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
+from kafscale.storage.segment import topic_marker_key
 from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, by_partition
 from tests.unit.test_partition import TOPIC, DictCache, append, batch, run
 
@@ -595,6 +596,45 @@ def test_an_opener_cancelled_while_claiming_fails_those_who_joined_it():
         gate.set()
         lg = await asyncio.wait_for(reg.partition_log(TOPIC, 0), 5)
         assert lg.epoch >= 1 and reg.is_open(TOPIC, 0)
+        await reg.close(drain_s=1)
+
+    run(go())
+
+
+def test_a_topic_marker_names_the_topic_open_here_and_a_recreated_topic_keeps_its_own():
+    """The first partition a broker opens writes the topic's marker (its
+    id), once (a failed write fails that open, and the next open writes it).
+    A topic created again under the same name while the deletion still
+    removes objects (another broker opened it in between) keeps its new
+    marker."""
+    async def go():
+        n = Node()
+        marker = topic_marker_key("unit", TOPIC)
+        first = await n.meta.create_topic(TOPIC, 2, {})
+        reg = await n.registry()
+        puts = n.store.requests["put"]
+        n.store.fail_next("put")
+        with pytest.raises(LogError) as failed:  # a client retries on this code
+            await reg.partition_log(TOPIC, 0)
+        assert failed.value.code == ErrorCode.LEADER_NOT_AVAILABLE
+        await reg.partition_log(TOPIC, 0)
+        await reg.partition_log(TOPIC, 1)
+        assert json.loads(n.store.objects[marker]) == {"topic": TOPIC, "id": first.id.hex()}
+        assert n.store.requests["put"] - puts == 2, "the failed write, then one for the topic on this broker"
+
+        delete_topic = n.meta.delete_topic
+        recreated = []
+
+        async def deleted_then_recreated(name: str) -> None:
+            await delete_topic(name)
+            again = await n.meta.create_topic(name, 1, {})
+            await n.store.put(marker, json.dumps({"topic": name, "id": again.id.hex()}).encode(),
+                              if_none_match=False)  # the other broker's first open
+            recreated.append(again)
+
+        n.meta.delete_topic = deleted_then_recreated  # type: ignore[method-assign]
+        await reg.drop_topic(TOPIC)
+        assert json.loads(n.store.objects[marker])["id"] == recreated[0].id.hex()
         await reg.close(drain_s=1)
 
     run(go())
