@@ -44,7 +44,7 @@ from kafscale.storage.partition import LogError, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
 from kafscale.storage.segment import topic_marker_key
 from kafscale.storage.shared import SHARED_OBJECT_BYTES, SHARED_SEGMENT_BYTES, compact_shared
-from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, in_turns
+from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, in_turns, retry
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class PartitionRegistry:
         self.flusher = NodeFlusher(cfg, store, meta, self._topic_id, self._fenced) if cfg.node_flush else None
         self.wal = WalIndex(meta)
         self.sweeper = OrphanSweeper(store, cfg.namespace)
-        self._markers: dict[bytes, asyncio.Future[None]] = {}  # topic id -> its marker written (or under way)
+        self._markers: dict[bytes, tuple[str, asyncio.Task[None]]] = {}  # topic id -> name, its marker's write
         self._refencing = False  # taking a new fence: no partition opens
         self._refence_lock = asyncio.Lock()
 
@@ -242,6 +242,8 @@ class PartitionRegistry:
         """Close a deleted topic's open logs and drop it from the cache."""
         for key in [k for k in self.logs if k[0] == name]:
             await self.logs.pop(key).close(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
+        for topic_id in [i for i, (n, _) in self._markers.items() if n == name]:
+            self._markers.pop(topic_id)[1].cancel()
         self.topics.pop(name)
 
     async def drop_topic(self, name: str) -> None:
@@ -315,7 +317,7 @@ class PartitionRegistry:
         meta = self.topics.get(topic) or await self.topic(topic)
         if meta is None:
             raise KeyError(topic)
-        await self._marked(meta)
+        self._mark(meta)
         node = (self.flusher, self.wal, meta.id) if self.flusher is not None else None
         lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self.read_budget,
                           lambda lg, m: self.on_change(lg, m), node)
@@ -334,18 +336,18 @@ class PartitionRegistry:
         self.sweeper.sweep(lg, meta.partitions)
         return lg
 
-    async def _marked(self, meta: TopicMeta) -> None:
-        """Write the topic's marker (its id) before this broker opens its first
+    def _mark(self, meta: TopicMeta) -> None:
+        """Write the topic's marker (its id) when this broker opens its first
         log of it: a reader without etcd then reads no shared segment that a
-        deleted topic of the same name left. Once per topic id (a failed
-        write is tried again by the next open)."""
-        fut = self._markers.get(meta.id)
-        if fut is None:
+        deleted topic of the same name left. Once per topic id, in the
+        background until it lands (an open does not wait for S3: reading a
+        partition needs no write); forgetting the topic stops it."""
+        if meta.id not in self._markers:
             body = json.dumps({"topic": meta.name, "id": meta.id.hex()}).encode()
-            fut = self._markers[meta.id] = asyncio.ensure_future(
-                self.store.put(topic_marker_key(self.cfg.namespace, meta.name), body, if_none_match=False))
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._markers.pop(meta.id))
-        await asyncio.shield(fut)
+            key = topic_marker_key(self.cfg.namespace, meta.name)
+            self._markers[meta.id] = meta.name, asyncio.create_task(
+                retry(f"writing {key}", lambda: self.store.put(key, body, if_none_match=False)),
+                name=f"marker of {meta.name}")
 
     async def release_partition(self, topic: str, p: int, lg: PartitionLog, drain_s: float = 10) -> None:
         self.logs.pop((topic, p), None)
@@ -427,6 +429,8 @@ class PartitionRegistry:
             if isinstance(exc, BaseException):
                 log.warning("handing a partition over failed (its lease expiry hands it over): %r", exc)
         await self.sweeper.close()
+        for _, task in self._markers.values():  # one still retrying: the next broker to open the topic writes it
+            task.cancel()
         if self.flusher is not None:
             await self.flusher.stop()
 
