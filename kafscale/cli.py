@@ -138,11 +138,10 @@ async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None
     """The topic's .kfs segments, then its segments in shared segment objects and
     its slices of node objects (not compacted yet), both as KEY#POS: those of
     the topic id its marker names (none of a deleted topic of the same name)."""
-    from kafscale.storage.segment import HEADER_SIZE, parse_header, parse_segment_key, topic_marker_key
-    from kafscale.storage.wal import node_prefix, read_node_directory, shared_prefix
+    from kafscale.storage.segment import HEADER_SIZE, parse_header, parse_segment_key
+    from kafscale.storage.wal import marker_topic_id, node_prefix, of_topic, read_node_directory, shared_prefix
 
     prefix = f"{cfg.namespace}/{topic}/" + ("" if partition is None else f"{partition}/")
-    marker, topic_id = topic_marker_key(cfg.namespace, topic), None
     async with _store(cfg) as store:
         print(f"{'partition':>9} {'base offset':>12} {'records':>8} {'bytes':>10}  key")
         for obj in sorted(await store.list(prefix), key=lambda o: o["Key"]):
@@ -153,13 +152,11 @@ async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None
             parsed = parse_segment_key(key)
             part = parsed.partition if parsed is not None else "?"
             print(f"{part:>9} {hdr.base_offset:>12} {hdr.count:>8} {obj['Size']:>10}  {key}")
-        if [o for o in await store.list(marker) if o["Key"] == marker]:
-            topic_id = json.loads(await store.get(marker))["id"]
+        topic_id = await marker_topic_id(store, cfg.namespace, topic)
         for root in (shared_prefix(cfg.namespace), node_prefix(cfg.namespace)):
             for obj in sorted(await store.list(root), key=lambda o: o["Key"]):
                 for s in (await read_node_directory(store, obj["Key"], int(obj["Size"])))["slices"]:
-                    if (s["topic"] == topic and topic_id in (None, s["topic_id"])
-                            and partition in (None, s["partition"])):
+                    if of_topic(s, topic, topic_id) and partition in (None, s["partition"]):
                         print(f"{s['partition']:>9} {s['base']:>12} {s['count']:>8} {s['size']:>10}  "
                               f"{obj['Key']}#{s['pos']}")
 

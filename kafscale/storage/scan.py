@@ -32,9 +32,15 @@ from kafscale.storage.segment import (
     index_key,
     parse_index,
     parse_segment_key,
-    topic_marker_key,
 )
-from kafscale.storage.wal import by_partition, continuing, read_node_directory, shared_prefix
+from kafscale.storage.wal import (
+    by_partition,
+    continuing,
+    marker_topic_id,
+    of_topic,
+    read_node_directory,
+    shared_prefix,
+)
 
 LISTING_READS = 32  # shared segment object directories a listing reads at once
 
@@ -162,11 +168,9 @@ async def _from_listing(opts: StoreOptions, topic: str) -> dict[int, tuple[list[
     Only the newest .kfs footer is read."""
     own: dict[int, dict[int, tuple[int, str, int]]] = {}  # partition: base: (epoch, key, size)
     shared: dict[int, list[Segment]] = {}
-    marker, topic_id = topic_marker_key(opts.namespace, topic), None
     async with opts.store() as store:
+        topic_id = await marker_topic_id(store, opts.namespace, topic)
         for obj in await store.list(f"{opts.namespace}/{topic}/"):
-            if obj["Key"] == marker:
-                topic_id = json.loads(await store.get(marker))["id"]
             k = parse_segment_key(obj["Key"])
             if k is None or k.kind != "kfs" or not obj["Key"].startswith(f"{opts.namespace}/{topic}/"):
                 continue
@@ -224,9 +228,9 @@ async def _shared_segments(store: ObjectStore, namespace: str, topic: str, topic
                                       for o in objects[at:at + LISTING_READS]))
         for o, d in zip(objects[at:at + LISTING_READS], dirs, strict=True):
             found.extend(Segment(s["partition"], o["Key"], s["base"], s["last"], s["size"], s["min_ts"], s["max_ts"],
-                                 s["pos"]) for s in d["slices"]
-                         if s["topic"] == topic and topic_id in (None, s["topic_id"]))
+                                 s["pos"]) for s in d["slices"] if of_topic(s, topic, topic_id))
     return found
+
 
 
 def parse_offsets(spec: str | None, topic: str, default: int) -> dict[int, int] | int:

@@ -36,7 +36,7 @@ from kafscale.config import Config
 from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest, TopicMeta
 from kafscale.protocol.types import TopicPartition
 from kafscale.storage.objectstore import ObjectExists, ObjectStore
-from kafscale.storage.segment import BuiltSegment, build_segment
+from kafscale.storage.segment import BuiltSegment, build_segment, topic_marker_key
 
 if TYPE_CHECKING:
     from kafscale.storage.partition import PartitionLog, _Pending
@@ -150,6 +150,21 @@ def by_partition(directories: list[bytes]) -> dict[tuple[str, int], list[Segment
     for found in out.values():
         found.sort(key=lambda m: m.base)
     return out
+
+
+async def marker_topic_id(store: ObjectStore, namespace: str, topic: str) -> str | None:
+    """The topic id (hex) the topic's marker names; None without a marker
+    (a topic no broker has opened since markers were written, or deleted)."""
+    marker = topic_marker_key(namespace, topic)
+    if not [o for o in await store.list(marker) if o["Key"] == marker]:
+        return None
+    return str(json.loads(await store.get(marker))["id"])
+
+
+def of_topic(entry: dict[str, Any], topic: str, topic_id: str | None) -> bool:
+    """Whether a node or shared object's directory entry is of this topic
+    (of its id too, where the marker names one)."""
+    return entry["topic"] == topic and topic_id in (None, entry["topic_id"])
 
 
 async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callable[[bytes], T], area: str = "wal"
