@@ -30,11 +30,11 @@ The latency bound: linger + 2 x p99 of a 64 KiB S3 PUT + p99 of a one-key
 etcd transaction. Measured twice: once on the idle machine before the brokers
 start, and during each load by a probe process of its own (a PUT and a
 transaction sent every 100 ms, not waiting for the ones before, against the
-same SeaweedFS and etcd; its requests are left out of the counts above). The second is the storage the
-acknowledgements actually waited on: under the load, PUTs and fsyncs are
-slower than on the idle machine, and every few seconds one stalls for
-hundreds of ms (in both the probe's and the broker's), which the idle
-figure never sees.
+same SeaweedFS and etcd; its requests are left out of the counts above). The
+second is the storage the acknowledgements actually waited on: under the
+load, PUTs and fsyncs are slower than on the idle machine, and every few
+seconds one stalls for hundreds of ms (in both the probe's and the
+broker's), which the idle figure never sees.
 
 With --modes node,partition each load runs once with node flushes (one
 object per flush cycle for all partitions, the default) and once with a
@@ -97,6 +97,11 @@ async def _etcd(endpoint: str) -> AsyncIterator[Callable[[int], Awaitable[float]
     finally:
         await client.delete(key)
         await client.close()
+
+
+def latency_bound(put_p99: float, txn_p99: float) -> float:
+    """The ack p99 bound: linger + 2 x S3 PUT p99 + etcd transaction p99 (seconds)."""
+    return LINGER_MS / 1000 + 2 * put_p99 + txn_p99
 
 
 PROBE_INTERVAL_S = 0.1
@@ -162,10 +167,6 @@ class StorageProbe:
             puts, txns = self._conn.recv()
             self.puts, self.txns = sorted(puts), sorted(txns)
         self._proc.join(30)
-
-    def bound(self) -> float:
-        """linger + 2 x S3 PUT p99 + etcd transaction p99, as measured while the block ran."""
-        return LINGER_MS / 1000 + 2 * pct(self.puts, 0.99) + pct(self.txns, 0.99)
 
 
 def compacted_s(stack: DevStack, cluster: str, limit: float) -> float:
@@ -269,7 +270,11 @@ class Run:
     compacted_s: float  # from the last acknowledgement until every node object is compacted away
     probe_put_p99: float  # seconds, a 64 KiB PUT by the StorageProbe during the load
     probe_txn_p99: float  # seconds, a one-key etcd transaction by the StorageProbe during the load
-    bound: float  # seconds: linger + 2 x probe_put_p99 + probe_txn_p99
+
+    @property
+    def bound(self) -> float:
+        """The latency bound of the storage during this load (seconds)."""
+        return latency_bound(self.probe_put_p99, self.probe_txn_p99)
 
     def per_s(self, what: str) -> float:
         return getattr(self, what) / self.seconds
@@ -362,7 +367,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
     return Run(mode, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"] - len(probe.puts),
                end["txns"] - start["txns"] - len(probe.txns), end["keys"] - start["keys"], end["db"] / (1 << 20),
                lat, cpu.cores["broker"], cpu.cores["bench client"], machine, peak, idle, open_s, broker_ms, etcd_ms,
-               requests, compacted, pct(probe.puts, 0.99), pct(probe.txns, 0.99), probe.bound())
+               requests, compacted, pct(probe.puts, 0.99), pct(probe.txns, 0.99))
 
 
 def report(runs: list[Run], idle_bound: float) -> None:
@@ -417,7 +422,7 @@ def main() -> None:
         try:
             put_p99 = pct(asyncio.run(put_latencies(stack)), 0.99)
             etcd_p99 = pct(asyncio.run(etcd_txn_latencies(stack)), 0.99)
-            bound = LINGER_MS / 1000 + 2 * put_p99 + etcd_p99
+            bound = latency_bound(put_p99, etcd_p99)
             print(f"64 KiB S3 PUT p99 {put_p99 * 1000:.1f} ms, etcd transaction p99 {etcd_p99 * 1000:.1f} ms")
             runs = []
             for mode in args.modes.split(","):

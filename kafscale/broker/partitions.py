@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import math
 import time
@@ -44,7 +43,7 @@ from kafscale.storage.partition import LogError, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
 from kafscale.storage.segment import topic_marker_key
 from kafscale.storage.shared import SHARED_OBJECT_BYTES, SHARED_SEGMENT_BYTES, compact_shared
-from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, in_turns, retry
+from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, in_turns, retry, topic_marker
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +342,7 @@ class PartitionRegistry:
         background until it lands (an open does not wait for S3: reading a
         partition needs no write); forgetting the topic stops it."""
         if meta.id not in self._markers:
-            body = json.dumps({"topic": meta.name, "id": meta.id.hex()}).encode()
+            body = topic_marker(meta.name, meta.id)
             key = topic_marker_key(self.cfg.namespace, meta.name)
             self._markers[meta.id] = meta.name, asyncio.create_task(
                 retry(f"writing {key}", lambda: self.store.put(key, body, if_none_match=False)),

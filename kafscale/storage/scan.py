@@ -232,7 +232,6 @@ async def _shared_segments(store: ObjectStore, namespace: str, topic: str, topic
     return found
 
 
-
 def parse_offsets(spec: str | None, topic: str, default: int) -> dict[int, int] | int:
     """Kafka's startingOffsets / endingOffsets: "earliest", "latest" or JSON
     {"topic": {"0": 23, "1": -2}}, or one number for every partition. Returns one offset for every partition, or

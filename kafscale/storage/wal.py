@@ -152,6 +152,11 @@ def by_partition(directories: list[bytes]) -> dict[tuple[str, int], list[Segment
     return out
 
 
+def topic_marker(topic: str, topic_id: bytes) -> bytes:
+    """The body of a topic's marker object (segment.topic_marker_key)."""
+    return json.dumps({"topic": topic, "id": topic_id.hex()}).encode()
+
+
 async def marker_topic_id(store: ObjectStore, namespace: str, topic: str) -> str | None:
     """The topic id (hex) the topic's marker names; None without a marker
     (a topic no broker has opened since markers were written, or deleted)."""

@@ -21,7 +21,7 @@ from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
 from kafscale.storage.segment import topic_marker_key
-from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, by_partition
+from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, by_partition, topic_marker
 from tests.unit.test_partition import TOPIC, DictCache, append, batch, run
 
 
@@ -626,8 +626,7 @@ def test_a_topic_marker_names_the_topic_open_here_and_a_recreated_topic_keeps_it
         async def deleted_then_recreated(name: str) -> None:
             await delete_topic(name)
             again = await n.meta.create_topic(name, 1, {})
-            await n.store.put(marker, json.dumps({"topic": name, "id": again.id.hex()}).encode(),
-                              if_none_match=False)  # the other broker's first open
+            await n.store.put(marker, topic_marker(name, again.id), if_none_match=False)  # another broker's open
             recreated.append(again)
 
         n.meta.delete_topic = deleted_then_recreated  # type: ignore[method-assign]
