@@ -54,6 +54,7 @@ __all__ = ["LogError", "PartitionLog"]
 
 MAX_UPLOADS = 4  # segments of one partition uploading at once
 MAX_UNCOMMITTED = 8  # segments of one partition built and not yet committed (bounds its memory)
+COMPACTION_TURN = 64  # slices a compaction gathers before it lets other work run
 
 
 # how many of a producer's last batches are remembered for the duplicate check (Kafka: 5)
@@ -351,9 +352,11 @@ class PartitionLog(LogReader):
             return None
         merged = self.to_merge(sum(m.size for m in slices), merge_limit, most_merged) if merge_limit else []
         parts = []
-        for m in merged + slices:
+        for i, m in enumerate(merged + slices, 1):
             whole = await self.whole(m)  # from the cache, else one ranged GET
             parts.append((memoryview(whole.data)[HEADER_SIZE:whole.body_end], m.base))
+            if not i % COMPACTION_TURN:  # hundreds of cached slices in one go held every acknowledgement
+                await asyncio.sleep(0)
         return merged, slices, build_segment(parts, int(time.time() * 1000))
 
     @staticmethod
