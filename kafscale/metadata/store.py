@@ -279,13 +279,15 @@ class MetaStore:
             await self.client.close()
             self.client = None
 
-    async def scan(self, prefix: bytes, keys_only: bool = False, page: int = SCAN_PAGE) -> AsyncIterator[Any]:
-        """Every key-value under prefix, read in pages of `page` keys at one
-        revision: a range that grows (a partition's segment manifests, all the
-        offsets) never needs one reply larger than etcd's 4 MiB gRPC limit.
-        Other work runs every SCAN_TURN keys: a caller parsing a page of 1,000
-        partition states held the event loop for over 10 ms."""
-        start, end, revision = prefix, prefix_range_end(prefix), 0
+    async def scan(self, prefix: bytes, keys_only: bool = False, page: int = SCAN_PAGE,
+                   start: bytes | None = None, end: bytes | None = None) -> AsyncIterator[Any]:
+        """Every key-value under prefix (from start, before end, where given),
+        read in pages of `page` keys at one revision: a range that grows (a
+        partition's segment manifests, all the offsets) never needs one reply
+        larger than etcd's 4 MiB gRPC limit. Other work runs every SCAN_TURN
+        keys: a caller parsing a page of 1,000 partition states held the event
+        loop for over 10 ms."""
+        start, end, revision = start or prefix, end or prefix_range_end(prefix), 0
         while True:
             kvs, more, revision = await self.client.range_page(start, end, page, revision, keys_only)
             for i, kv in enumerate(kvs, 1):
@@ -449,11 +451,18 @@ class MetaStore:
 
     async def wal_directories_of(self, keys: list[bytes], area: str = "wal") -> dict[bytes, bytes]:
         """The committed directories of these keys of one area (those forgotten
-        since are left out): one get each when they are few, else one paged
-        scan (a thousand gets at once held the event loop past a 2 s lease)."""
+        since are left out): one get each when they are few, else a paged scan
+        of each fence's keys from the first to the last of them (a thousand
+        gets at once held the event loop past a 2 s lease; a fence's seqs are
+        zero-padded, so its new directories are one range, where a scan of
+        the whole area read every directory already known once more)."""
         if len(keys) > WAL_GETS:
-            want = set(keys)
-            return {k: v for k, v in await self.wal_directories(area) if k in want}
+            want, spans = set(keys), {}
+            for k in sorted(keys):
+                spans.setdefault(k.rpartition(b"/")[0], []).append(k)
+            return {kv.key: kv.value for ks in spans.values()
+                    async for kv in self.scan(self.k(area, ""), page=WAL_SCAN_PAGE, start=ks[0], end=ks[-1] + b"\0")
+                    if kv.key in want}
         got = await asyncio.gather(*(self.client.get(k) for k in keys))
         return {k: bytes(kv.value) for k, kv in zip(keys, got, strict=True) if kv is not None}
 

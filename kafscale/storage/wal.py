@@ -51,6 +51,7 @@ MAX_UPLOADS = 4  # node objects uploading at once
 MAX_UNCOMMITTED = 8  # node objects built and not yet committed (bounds their memory); also the most one
 # transaction commits (their directories hold at most MAX_SLICES slices each: well under etcd's request limit)
 GRACE_S = 60.0  # a forgotten node object is deleted this long after (readers in flight finish)
+PARSE_TURN_BYTES = 64 << 10  # directory JSON parsed before other work runs (about 2 ms)
 ORPHAN_AGE_S = 600.0  # an object no directory names is an orphan once this old (uploaded, never committed)
 
 
@@ -181,8 +182,14 @@ async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callab
     keys = await meta.wal_keys(area)
     new = await meta.wal_directories_of([k for k in keys if k not in known], area)
     out = {k: known[k] for k in keys if k in known}
-    async for chunk in in_turns([k for k in keys if k in new], 100):
-        out.update((k, parse(new[k])) for k in chunk)
+    parsed = 0
+    for k in keys:
+        if k in new:
+            out[k] = parse(new[k])
+            parsed += len(new[k])
+            if parsed >= PARSE_TURN_BYTES:  # a hundred directories at a time held the event loop for 10 ms
+                parsed = 0
+                await asyncio.sleep(0)
     return out
 
 

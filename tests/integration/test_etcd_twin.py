@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from kafscale.metadata.memory import MemoryEtcd
-from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest, TopicExists
+from kafscale.metadata.store import WAL_GETS, Fenced, MetaStore, PartitionState, SegmentManifest, TopicExists
 
 
 async def contract(meta: MetaStore, expire) -> None:
@@ -45,6 +45,15 @@ async def contract(meta: MetaStore, expire) -> None:
     assert claimed[0][1] == (await meta.get_partition(topic, 0))[1] and (await meta.owners())[(topic, 0)] == 7
     assert "f8" not in await meta.fences(), "the earlier owner's fence is deleted"
     assert await meta.claim_partitions(topic, [0, 1], 8, other) == {}, "both are owned by broker 7"
+    for fence in ("w1", "w2"):  # node object directories of two fences
+        await meta.create_fence(fence, other)
+        await meta.commit_wal(fence, [(seq, b"%s:%d" % (fence.encode(), seq)) for seq in range(1, 41)])
+    keys = await meta.wal_keys()
+    await meta.forget_wal([keys[5]])
+    want = keys[2:38] + keys[45:75:2]  # too many for a get each: read by ranges, with gaps, in both fences
+    assert len(want) > WAL_GETS
+    assert await meta.wal_directories_of(want) == {k: v for k, v in await meta.wal_directories() if k in want}
+    assert len(await meta.wal_directories_of(want)) == len(want) - 1, "a forgotten one is left out"
     await expire(lease)
     assert (topic, 1) not in await meta.owners() and 7 not in [b for b, _, _ in await meta.list_brokers()]
     await meta.delete_topic(topic)

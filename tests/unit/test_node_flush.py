@@ -541,6 +541,37 @@ def test_the_wal_index_follows_the_directories_committed_and_forgotten_between_s
     run(go())
 
 
+def test_new_directories_are_read_by_the_range_of_their_keys_not_the_whole_area():
+    """A collector pass reads the directories committed since the last: with
+    more than a get each would take, only the range from the first new key to
+    the last of each fence, not every directory still there."""
+    async def go():
+        etcd = MemoryEtcd()
+        meta = MetaStore.in_memory("unit", etcd)
+        lease = await etcd.lease(60)
+        for fence in ("a", "b"):
+            await meta.create_fence(fence, lease)
+            for first in range(1, 201, 50):
+                await meta.commit_wal(fence, [(seq, b"%d" % seq) for seq in range(first, first + 50)])
+        read = []
+        range_page = etcd.range_page
+
+        async def counted(*args):
+            kvs, more, revision = await range_page(*args)
+            read.extend(kv.key for kv in kvs)
+            return kvs, more, revision
+
+        etcd.range_page = counted
+        keys = await meta.wal_keys()
+        want = keys[160:200] + keys[390:400]  # a's newest 40, b's newest 10
+        read.clear()
+        got = await meta.wal_directories_of(want)
+        assert sorted(got) == sorted(want) and all(got[k] == k.rsplit(b"/", 1)[1].lstrip(b"0") for k in want)
+        assert sorted(read) == sorted(want)
+
+    run(go())
+
+
 def test_claims_during_a_wal_scan_share_the_next_one():
     """A claim waits for a scan that began after it; the claims that come while
     one scan runs all wait for the same next one, not one each."""
