@@ -15,7 +15,8 @@ etcd keys the run added and etcd's DB size. From the producer: ack latency
 p50/p99 (produce() to delivery report) and how many records were
 acknowledged; then how long until every node object is compacted away
 (its wal/ key gone: the collector looks every half compaction lag, so this
-is the lag, 10 s, plus up to 5 s at best). From /proc: the broker's CPU (all its processes), the producer's (this
+is the lag, 10 s, plus up to 5 s at best). From /proc: the broker's CPU (all its processes, and its log process's,
+its workers', SeaweedFS's and etcd's apart), the producer's (this
 process: librdkafka's threads and the loop offering records), the whole
 machine's, and the log process's peak RSS. From the broker's own /metrics, where an acknowledgement's
 time goes: Produce request p50/p99/max (arrival to response, in the workers),
@@ -259,6 +260,7 @@ class Run:
     db_mib: float
     lat: list[float]
     cpu: float  # cores, all the broker's processes
+    cpu_of: dict[str, float]  # cores of the log process, the workers, SeaweedFS and etcd
     client_cpu: float  # cores, this process (the producer: librdkafka's threads and the loop offering records)
     machine_cpu: float  # cores busy on the whole machine (etcd and SeaweedFS included)
     peak_rss_mib: float  # the log process
@@ -339,7 +341,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
     proc, bootstrap = start_broker(stack, logdir, cluster, linger_ms=str(LINGER_MS),
                                    node_flush=str(mode == "node").lower(), admin_listen=admin)
     try:
-        log_process, *_ = broker_children(proc.pid)
+        log_process, *workers = broker_children(proc.pid)
         topic = "scale"
         client = AdminClient({"bootstrap.servers": bootstrap})  # kept alive until its future resolves
         client.create_topics([NewTopic(topic, partitions, 1)])[topic].result(60)
@@ -352,7 +354,9 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
         with StorageProbe(stack) as probe:
             hist, disk = histogram_buckets(broker_url, BROKER_HISTOGRAMS), histogram_buckets(etcd_url, ETCD_HISTOGRAMS)
             busy = machine_busy_s(), time.perf_counter()
-            with CpuMeter({"broker": [proc.pid, *broker_children(proc.pid)]}) as cpu:
+            etcd, weed = (p.pid for p in stack.procs)
+            with CpuMeter({"broker": [proc.pid, log_process, *workers], "log process": [log_process],
+                           "workers": workers, "SeaweedFS": [weed], "etcd": [etcd]}) as cpu:
                 offered, acked, failed, lat, secs = offer(bootstrap, topic, partitions, rate, seconds, drain)
             machine = (machine_busy_s() - busy[0]) / (time.perf_counter() - busy[1])
         end, hist_end = stack.server_counts(), histogram_buckets(broker_url, BROKER_HISTOGRAMS)
@@ -366,7 +370,8 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
         proc.wait(120)
     return Run(mode, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"] - len(probe.puts),
                end["txns"] - start["txns"] - len(probe.txns), end["keys"] - start["keys"], end["db"] / (1 << 20),
-               lat, cpu.cores["broker"], cpu.cores["bench client"], machine, peak, idle, open_s, broker_ms, etcd_ms,
+               lat, cpu.cores["broker"], {k: cpu.cores[k] for k in ("log process", "workers", "SeaweedFS", "etcd")},
+               cpu.cores["bench client"], machine, peak, idle, open_s, broker_ms, etcd_ms,
                requests, compacted, pct(probe.puts, 0.99), pct(probe.txns, 0.99))
 
 
@@ -393,7 +398,8 @@ def report(runs: list[Run], idle_bound: float) -> None:
             print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s; p50/p99/max ms: "
                   f"{stages}")
             disk = ", ".join(f"{col} {p99:g}/{top:g}" for col, (_, p99, top) in r.etcd_ms.items())
-            print(f"       CPU cores: broker {r.cpu:.2f}, the producer {r.client_cpu:.2f}, the whole machine "
+            of = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_of.items())
+            print(f"       CPU cores: broker {r.cpu:.2f} ({of}), the producer {r.client_cpu:.2f}, the whole machine "
                   f"{r.machine_cpu:.2f} of {os.cpu_count()}")
             print(f"       in etcd: p99/max ms: {disk}")
             print(f"       storage during the load (the probe): S3 PUT p99 {r.probe_put_p99 * 1000:.1f} ms, etcd "
