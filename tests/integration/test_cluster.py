@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import aetcd
 from confluent_kafka import Consumer, Producer
@@ -90,6 +91,12 @@ def drain_and_verify(stream: Stream, member: Member, boot: str, topic: str, part
     stream.stop()
     try:
         wait_for(lambda: set(member.processed()) >= set(stream.acked), 90, "the group to consume every acked record")
+    except AssertionError:
+        missing = sorted(set(stream.acked) - set(member.processed()))
+        raise AssertionError(f"the group consumed {len(stream.acked) - len(missing)} of {len(stream.acked)} acked "
+                             f"records; missing per partition {Counter(p for p, _ in missing)}, first {missing[:5]}, "
+                             f"assignments {member.assignments()}; the member's stderr ends:\n"
+                             f"{member.stderr_tail()}") from None
     finally:
         member.stop()
     check_all_acked_present(boot, topic, partitions, stream.acked)

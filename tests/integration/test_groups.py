@@ -47,6 +47,10 @@ class Member:
                 rows.append((int(parts[0]), int(parts[1])))
         return rows
 
+    def stderr_tail(self, n: int = 2000) -> str:
+        """The end of what the member's process wrote to stderr (its client's logs)."""
+        return self.out.with_suffix(".err").read_bytes()[-n:].decode(errors="replace")
+
     def assignments(self) -> list[set[int]]:
         text = self.out.read_text() if self.out.exists() else ""
         return [{int(p) for p in line.split()[1].split(",") if p} if len(line.split()) > 1 else set()
