@@ -43,16 +43,22 @@ flush of each partition on its own (node_flush off), each compared to its
 own P = 1.
 
     python -m bench.partitions [--partitions 1,100,1000,10000] [--rates 2000,20000]
-                               [--modes node,partition] [--seconds 15] [--drain 180]
+                               [--modes node,partition] [--seconds 15] [--drain 180] [--rounds 1]
+
+With --rounds N every P runs N times, in turn (1, 100, 1,000, then 1 again),
+and each P's medians over the rounds follow the tables: of its figures, and
+of their ratios to P = 1 of the same round.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import os
 import signal
+import statistics
 import tempfile
 import time
 import urllib.request
@@ -248,6 +254,7 @@ def stage_ms(before: dict[str, dict[float, float]], after: dict[str, dict[float,
 @dataclass
 class Run:
     mode: str
+    round: int
     partitions: int
     rate: int
     offered: int
@@ -334,8 +341,8 @@ def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float
     return i, len(lat), failed[0], sorted(lat), max(last_ack[0] - t0, seconds)
 
 
-def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int, seconds: float, drain: float
-            ) -> Run:
+def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int, rate: int, seconds: float,
+            drain: float) -> Run:
     cluster = f"p{partitions}r{rate}{uuid.uuid4().hex[:4]}"
     admin = f"127.0.0.1:{free_port()}"
     proc, bootstrap = start_broker(stack, logdir, cluster, linger_ms=str(LINGER_MS),
@@ -368,7 +375,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
-    return Run(mode, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"] - len(probe.puts),
+    return Run(mode, rnd, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"] - len(probe.puts),
                end["txns"] - start["txns"] - len(probe.txns), end["keys"] - start["keys"], end["db"] / (1 << 20),
                lat, cpu.cores["broker"], {k: cpu.cores[k] for k in ("log process", "workers", "SeaweedFS", "etcd")},
                cpu.cores["bench client"], machine, peak, idle, open_s, broker_ms, etcd_ms,
@@ -376,11 +383,11 @@ def measure(stack: DevStack, logdir: Path, mode: str, partitions: int, rate: int
 
 
 def report(runs: list[Run], idle_bound: float) -> None:
-    for mode, rate in sorted({(r.mode, r.rate) for r in runs}):
-        rows = [r for r in runs if (r.mode, r.rate) == (mode, rate)]
+    for mode, rate, rnd in sorted({(r.mode, r.rate, r.round) for r in runs}):
+        rows = [r for r in runs if (r.mode, r.rate, r.round) == (mode, rate, rnd)]
         base = rows[0]
-        print(f"\n{mode} flushes: {rate} records/s of {RECORD} B offered, acks=all, linger {LINGER_MS} ms "
-              f"(ratio to P = {base.partitions} in brackets)")
+        print(f"\n{mode} flushes, round {rnd + 1}: {rate} records/s of {RECORD} B offered, acks=all, linger "
+              f"{LINGER_MS} ms (ratio to P = {base.partitions} in brackets)")
         print(f"{'P':>6} {'acked':>13} {'S3 PUT/s':>15} {'etcd txn/s':>15} {'ack p50 ms':>17} {'ack p99 ms':>17} "
               f"{'CPU cores':>12} {'log RSS MiB':>14} {'+etcd keys':>11} {'idle KiB/p':>10} {'open s':>7} "
               f"{'compacted s':>15}")
@@ -411,6 +418,41 @@ def report(runs: list[Run], idle_bound: float) -> None:
         print(f"ack p99 bound (linger + 2 x S3 PUT p99 + etcd txn p99) on the idle machine {idle_bound * 1000:.1f} "
               f"ms, worst p99 / it = {worst / idle_bound:.2f}; during each load (the probe's) worst ack p99 / bound = "
               f"{max(pct(r.lat, 0.99) / r.bound for r in rows if r.lat):.2f}")
+    if max(r.round for r in runs):
+        medians(runs)
+
+
+FIGURES: dict[str, Callable[[Run], float]] = {  # what medians() reports of each run
+    "p50": lambda r: pct(r.lat, 0.5) * 1000, "p99": lambda r: pct(r.lat, 0.99) * 1000,
+    "p99 / bound": lambda r: pct(r.lat, 0.99) / r.bound, "puts": lambda r: r.per_s("puts"),
+    "txns": lambda r: r.per_s("txns"), "cpu": lambda r: r.cpu}
+
+
+def median_cell(runs: list[Run], base: dict[int, Run], what: str, fmt: str) -> str:
+    """The median of a figure over the runs, and (but for p99 / bound) the median of its ratios to base's
+    run of the same round."""
+    f = FIGURES[what]
+    ratio = "" if what == "p99 / bound" else f" ({statistics.median(f(r) / f(base[r.round]) for r in runs):.2f})"
+    return f"{statistics.median(f(r) for r in runs):{fmt}}{ratio}"
+
+
+def medians(runs: list[Run]) -> None:
+    """Each P's median over the rounds: of its figures, and of their ratios to
+    P = 1 of the same round (single 30 s runs on this machine move by 2x)."""
+    for mode, rate in sorted({(r.mode, r.rate) for r in runs}):
+        rows = [r for r in runs if (r.mode, r.rate) == (mode, rate) and r.lat]
+        base = {r.round: r for r in rows if r.partitions == min(x.partitions for x in rows)}
+        print(f"\n{mode} flushes, {rate} records/s: medians over {len(base)} rounds (of each round's ratio to its "
+              f"P = {next(iter(base.values())).partitions} in brackets)")
+        print(f"{'P':>6} {'ack p50 ms':>15} {'ack p99 ms':>15} {'p99 / bound':>12} {'S3 PUT/s':>13} {'etcd txn/s':>13} "
+              f"{'broker cores':>13}   p99 per round ms")
+        for n in sorted({r.partitions for r in rows}):
+            mine = [r for r in rows if r.partitions == n and r.round in base]
+            cells = [median_cell(mine, base, what, fmt) for what, fmt in
+                     (("p50", ".1f"), ("p99", ".1f"), ("p99 / bound", ".2f"), ("puts", ".0f"), ("txns", ".0f"),
+                      ("cpu", ".2f"))]
+            print(f"{n:>6} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, (15, 15, 12, 13, 13, 13), strict=True))
+                  + "   " + " ".join(f"{FIGURES['p99'](r):.0f}" for r in mine))
 
 
 def main() -> None:
@@ -421,6 +463,8 @@ def main() -> None:
                     "of each partition on its own)")
     ap.add_argument("--seconds", type=float, default=15, help="how long each load is offered")
     ap.add_argument("--drain", type=float, default=180, help="how long to wait for the last acknowledgements")
+    ap.add_argument("--rounds", type=int, default=1, help="run every P this many times, in turn, and report the "
+                    "medians too")
     args = ap.parse_args()
     counts = sorted(int(x) for x in args.partitions.split(","))
     with tempfile.TemporaryDirectory(prefix="kafscale-bench-") as tmp:
@@ -433,11 +477,11 @@ def main() -> None:
             runs = []
             for mode in args.modes.split(","):
                 for rate in (int(x) for x in args.rates.split(",")):
-                    for n in counts:
-                        runs.append(measure(stack, Path(tmp), mode, n, rate, args.seconds, args.drain))
+                    for rnd, n in itertools.product(range(args.rounds), counts):
+                        runs.append(measure(stack, Path(tmp), mode, rnd, n, rate, args.seconds, args.drain))
                         r = runs[-1]
-                        print(f"{mode} P={n} rate={rate}: {r.acked}/{r.offered} acked in {r.seconds:.1f} s",
-                              flush=True)
+                        print(f"{mode} P={n} rate={rate} round {rnd + 1}: {r.acked}/{r.offered} acked in "
+                              f"{r.seconds:.1f} s", flush=True)
         finally:
             stack.stop()
     report(runs, bound)
