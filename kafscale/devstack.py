@@ -151,8 +151,7 @@ class DevStack:
         _wait_port(self.etcd_port, proc, "etcd", logfile)
 
     def _start_seaweedfs(self, root: Path) -> None:
-        names = ("master", "volume", "filer", "admin", "iceberg", "lance", "metrics",
-                 "g_master", "g_volume", "g_filer", "g_s3", "g_admin")
+        names = ("master", "volume", "filer", "admin", "metrics", "g_master", "g_volume", "g_filer", "g_s3", "g_admin")
         p = {name: self._pick_port() for name in names}
         self.metrics_port = p["metrics"]
         logfile = root / "seaweedfs.log"
@@ -168,7 +167,8 @@ class DevStack:
                 f"-volume.port={p['volume']}", f"-volume.port.grpc={p['g_volume']}",
                 f"-filer.port={p['filer']}", f"-filer.port.grpc={p['g_filer']}",
                 f"-s3.port={self.s3_port}", f"-s3.port.grpc={p['g_s3']}", f"-s3.config={s3_config}",
-                f"-s3.port.iceberg={p['iceberg']}", f"-s3.port.lance={p['lance']}",
+                "-s3.port.iceberg=0", "-s3.port.lance=0",  # its Iceberg and Lance catalogs: not used here
+                "-master.telemetry=false",  # a development stack on loopback reports to nobody
                 f"-admin.port={p['admin']}", f"-admin.port.grpc={p['g_admin']}", "-admin.ui=false",
                 "-webdav=false", f"-metricsPort={p['metrics']}",
                 f"-master.volumeSizeLimitMB={self.volume_mib}"]
