@@ -51,6 +51,7 @@ MAX_UPLOADS = 4  # node objects uploading at once
 MAX_UNCOMMITTED = 8  # node objects built and not yet committed (bounds their memory); also the most one
 # transaction commits (their directories hold at most MAX_SLICES slices each: well under etcd's request limit)
 GRACE_S = 60.0  # a forgotten node object is deleted this long after (readers in flight finish)
+COMMITTED_TURN = 64  # slices of committed node objects handed to their logs before other work runs
 PARSE_TURN_BYTES = 64 << 10  # directory JSON parsed before other work runs (about 2 ms)
 ORPHAN_AGE_S = 600.0  # an object no directory names is an orphan once this old (uploaded, never committed)
 
@@ -416,10 +417,15 @@ class NodeFlusher:
                 return
             faults.reached("after-commit")
             self._committed = group[-1][0]
+            handed = 0  # slices handed to their logs since other work last ran
             for _, (_, slices, fut) in group:
                 try:
                     for s in slices:
                         s.log.committed(s.manifest, s.items, s.seg)
+                        handed += 1
+                        if handed == COMMITTED_TURN:  # the acknowledgements so far go out first
+                            handed = 0
+                            await asyncio.sleep(0)
                 except Exception as exc:  # a bug: the flush fails (and the node re-fences), never hangs
                     fut.set_exception(exc)
                 else:
