@@ -4,13 +4,14 @@ signed, conditional and retried as the clients would (against a local HTTP
 server; the integration tests use SeaweedFS)."""
 from __future__ import annotations
 
+import http.client
 import http.server
 import json
 import threading
+import time
 
 import botocore.session
 import pytest
-import urllib3
 
 from kafscale.storage.objectstore import UNUSED_ENDPOINT_PARAMS, ObjectExists, RequestFailed, _Direct, sync_client
 
@@ -137,6 +138,42 @@ def test_a_get_is_retried_on_5xx_and_refused_on_4xx(fake_s3):
 def test_a_get_answered_short_is_retried_then_raises(fake_s3):
     """A body shorter than its Content-Length is never returned as the object."""
     _Fake.body, _Fake.claimed = b"data", 10
-    with pytest.raises(urllib3.exceptions.HTTPError):
+    with pytest.raises(http.client.IncompleteRead):
         fake_s3.get("k", None)
     assert len(_Fake.seen) == 3
+
+
+class _KeepAlive(_Fake):
+    """HTTP/1.1: the connection stays open after an answer, unless `drop`
+    (then the server closes it after answering, without saying so)."""
+    protocol_version = "HTTP/1.1"
+    drop = False
+    ports: list[int] = []
+
+    def _answer(self, status: int, body: bytes) -> None:
+        type(self).ports.append(self.client_address[1])
+        super()._answer(status, body)
+        self.close_connection = type(self).drop
+
+
+def test_a_connection_is_kept_and_one_the_server_closed_meanwhile_is_not_used():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _KeepAlive.statuses, _KeepAlive.seen, _KeepAlive.ports, _KeepAlive.claimed = [], [], [], None
+    direct = _Direct("bkt", f"http://127.0.0.1:{server.server_port}", "us-east-1", "key", "secret", pool=2)
+    direct.BACKOFF_S = 10  # a retry would show as a 10 s wait
+    try:
+        for i in range(3):
+            direct.put(f"k{i}", b"x", "AAAAAA==", True)
+        _KeepAlive.drop = True
+        direct.put("k3", b"x", "AAAAAA==", True)
+        time.sleep(0.2)  # the server has closed it
+        t = time.monotonic()
+        direct.put("k4", b"x", "AAAAAA==", True)
+        assert time.monotonic() - t < 5, "sent on the closed connection, then retried"
+        assert len(set(_KeepAlive.ports[:4])) == 1 and _KeepAlive.ports[4] != _KeepAlive.ports[3]
+        assert len(_KeepAlive.seen) == 5
+    finally:
+        _KeepAlive.drop = False
+        direct.close()
+        server.shutdown()
