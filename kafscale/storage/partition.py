@@ -40,7 +40,7 @@ from kafscale.storage.segment import (
     key_epoch,
     segment_key,
 )
-from kafscale.storage.wal import continuing, retry
+from kafscale.storage.wal import Turns, continuing, retry
 
 if TYPE_CHECKING:
     from kafscale.storage.wal import NodeFlusher, WalIndex
@@ -352,11 +352,11 @@ class PartitionLog(LogReader):
             return None
         merged = self.to_merge(sum(m.size for m in slices), merge_limit, most_merged) if merge_limit else []
         parts = []
-        for i, m in enumerate(merged + slices, 1):
+        turns = Turns(COMPACTION_TURN)  # hundreds of cached slices in one go held every acknowledgement
+        for m in merged + slices:
             whole = await self.whole(m)  # from the cache, else one ranged GET
             parts.append((memoryview(whole.data)[HEADER_SIZE:whole.body_end], m.base))
-            if not i % COMPACTION_TURN:  # hundreds of cached slices in one go held every acknowledgement
-                await asyncio.sleep(0)
+            await turns.did()
         return merged, slices, build_segment(parts, int(time.time() * 1000))
 
     @staticmethod

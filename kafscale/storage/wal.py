@@ -183,15 +183,28 @@ async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callab
     keys = await meta.wal_keys(area)
     new = await meta.wal_directories_of([k for k in keys if k not in known], area)
     out = {k: known[k] for k in keys if k in known}
-    parsed = 0
+    turns = Turns(PARSE_TURN_BYTES)  # a hundred directories at a time held the event loop for 10 ms
     for k in keys:
         if k in new:
             out[k] = parse(new[k])
-            parsed += len(new[k])
-            if parsed >= PARSE_TURN_BYTES:  # a hundred directories at a time held the event loop for 10 ms
-                parsed = 0
-                await asyncio.sleep(0)
+            await turns.did(len(new[k]))
     return out
+
+
+class Turns:
+    """Lets other work run each time `size` units of work (slices, bytes) were
+    done since it last did: a pass that goes through much in one go holds
+    every acknowledgement waiting on the event loop."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.done = 0
+
+    async def did(self, n: int = 1) -> None:
+        self.done += n
+        if self.done >= self.size:
+            self.done = 0
+            await asyncio.sleep(0)
 
 
 async def in_turns(items: list[T], n: int = 1000) -> AsyncIterator[list[T]]:
@@ -417,15 +430,12 @@ class NodeFlusher:
                 return
             faults.reached("after-commit")
             self._committed = group[-1][0]
-            handed = 0  # slices handed to their logs since other work last ran
+            turns = Turns(COMMITTED_TURN)  # the acknowledgements so far go out first
             for _, (_, slices, fut) in group:
                 try:
                     for s in slices:
                         s.log.committed(s.manifest, s.items, s.seg)
-                        handed += 1
-                        if handed == COMMITTED_TURN:  # the acknowledgements so far go out first
-                            handed = 0
-                            await asyncio.sleep(0)
+                        await turns.did()
                 except Exception as exc:  # a bug: the flush fails (and the node re-fences), never hangs
                     fut.set_exception(exc)
                 else:
