@@ -152,8 +152,9 @@ class _KeepAlive(_Fake):
 
     def _answer(self, status: int, body: bytes) -> None:
         type(self).ports.append(self.client_address[1])
+        drop = type(self).drop  # read before the client has its answer (and may change it)
         super()._answer(status, body)
-        self.close_connection = type(self).drop
+        self.close_connection = drop
 
 
 def test_a_connection_is_kept_and_one_the_server_closed_meanwhile_is_not_used():
