@@ -76,7 +76,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
         spare -= max(len(built[0]) - 1, 0)
         shares.append(Slice(lg, [], seg, lg.compacted_manifest(built, key, pos)))
         pos += len(seg.data)
-        await asyncio.sleep(0)  # one partition's segment at a time: 42 in one go held the event loop for 50 ms
+        await asyncio.sleep(0)  # one partition's segment at a time: 20 in one go held the event loop for up to 48 ms
     if not shares:
         return 0
 
