@@ -96,6 +96,9 @@ class DevStack:
     # quarter as often as 256 MiB ones; SeaweedFS sizes its volume count as free disk / this
     volume_mib: int = 1024
     metrics_port: int = 0  # SeaweedFS's Prometheus /metrics (S3 requests by type)
+    # where SeaweedFS keeps the objects (default: data_dir/s3). The benchmarks put them on another file
+    # system than etcd's: on one ext4 disk, etcd's fsyncs wait for SeaweedFS's writes (bench/README.md)
+    s3_dir: str | None = None
     # ports it must not pick for its servers (kafscale dev's brokers and consoles, which listen after it starts)
     reserved: set[int] = field(default_factory=set)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -115,7 +118,8 @@ class DevStack:
             self.data_dir = self._tmp
         root = Path(self.data_dir)
         (root / "etcd").mkdir(parents=True, exist_ok=True)
-        (root / "s3").mkdir(parents=True, exist_ok=True)
+        self.s3_dir = self.s3_dir or str(root / "s3")
+        Path(self.s3_dir).mkdir(parents=True, exist_ok=True)
         self.reserved |= {self.etcd_port, self.s3_port} - {0}
         self.etcd_port = self.etcd_port or self._pick_port()
         self.s3_port = self.s3_port or self._pick_port()
@@ -162,7 +166,7 @@ class DevStack:
             "name": "kafscale", "credentials": [{"accessKey": DEV_ACCESS_KEY, "secretKey": DEV_SECRET_KEY}],
             "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
         env_free = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
-        args = [weed_binary(), "mini", f"-dir={root / 's3'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        args = [weed_binary(), "mini", f"-dir={self.s3_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={p['master']}", f"-master.port.grpc={p['g_master']}",
                 f"-volume.port={p['volume']}", f"-volume.port.grpc={p['g_volume']}",
                 f"-filer.port={p['filer']}", f"-filer.port.grpc={p['g_filer']}",
