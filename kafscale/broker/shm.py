@@ -32,9 +32,11 @@ from __future__ import annotations
 import bisect
 import contextlib
 import mmap
+import struct
 import sys
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 from kafscale import _native
 from kafscale.storage.cache import CachedSegment
@@ -126,21 +128,35 @@ class RingTracker:
         _native.atomic_store(self.ring.header, _TAIL, self._live[0][0] if self._live else self._end)
 
 
-# Where a committed segment sits in the shared cache: (position, size, first
-# offset of each batch, byte position of each batch). The cache holds one for
-# every slice of a node object it has, up to hundreds of thousands, so each is
-# one object for Python's cyclic collector, which it then stops tracking: a
-# plain tuple (an instance of a class, a NamedTuple's too, stays tracked) of
-# ints and bytes (8-byte integers; bytes are no collector objects at all,
-# where each tuple, list or array would be one more allocation counted
-# towards the next young collection).
-CacheRef = tuple[int, int, bytes, bytes]
+# Where a committed segment sits in the shared cache, as one bytes object: its
+# position and size, then the first offset of each batch, then the byte
+# position of each batch (8-byte integers). The cache holds one for every
+# slice of a node object it has, up to hundreds of thousands, and the log
+# process makes one per slice (2,000 a second at 2,000 records/s over 100
+# partitions). Bytes are no objects of Python's cyclic collector at all; a
+# tuple is tracked until a collection has looked at it, so each one counted
+# towards the next young collection and was scanned by it: such tuples were
+# half of what each young collection of the log process went through, each
+# holding the event loop for 25-45 ms (bench/README.md).
+CacheRef = bytes
+_REF = struct.Struct("=qq")
+
+
+def cache_ref(start: int, n: int, bases: Sequence[int], positions: Sequence[int]) -> CacheRef:
+    return _REF.pack(start, n) + array("q", bases).tobytes() + array("q", positions).tobytes()
+
+
+def ref_position(ref: CacheRef) -> int:
+    """Where the segment starts in the cache (an absolute position)."""
+    return _REF.unpack_from(ref)[0]
 
 
 def _cached(data: memoryview, size: int, ref: CacheRef) -> CachedSegment:
-    pos, n, bases, positions = ref
+    pos, n = _REF.unpack_from(ref)
+    tables = memoryview(ref)[_REF.size:]
+    half = len(tables) // 2
     off = pos % size
-    return CachedSegment(data[off:off + n], memoryview(bases).cast("q"), memoryview(positions).cast("q"))
+    return CachedSegment(data[off:off + n], tables[:half].cast("q"), tables[half:].cast("q"))
 
 
 class SharedCache:
@@ -182,15 +198,15 @@ class SharedCache:
         self._head = end
         self.data[start % self.size:start % self.size + n] = seg.data
         self.refs.pop(key, None)
-        self.refs[key] = (start, n, array("q", seg.bases).tobytes(), array("q", seg.positions).tobytes())
+        self.refs[key] = cache_ref(start, n, seg.bases, seg.positions)
         floor = self._oldest_valid()
-        while self.refs and next(iter(self.refs.values()))[0] < floor:
+        while self.refs and ref_position(next(iter(self.refs.values()))) < floor:
             self.refs.popitem(last=False)
 
     def ref(self, key: str) -> CacheRef | None:
         """Where `key` is cached, if it has not been overwritten since."""
         ref = self.refs.get(key)
-        return None if ref is None or ref[0] < self._oldest_valid() else ref
+        return None if ref is None or ref_position(ref) < self._oldest_valid() else ref
 
     def holds(self, key: str) -> bool:
         return self.ref(key) is not None
@@ -220,7 +236,7 @@ class CacheReader:
         """The segment at `ref`, pinned until release(its position); None if overwritten."""
         if self.size == 0:
             return None
-        pos = ref[0]
+        pos = ref_position(ref)
         low = min(pos, self._held[0]) if self._held else pos
         _native.atomic_store(self.header, self._pin_at, low)
         if pos < _native.atomic_load(self.header, _RESERVE) - self.size:

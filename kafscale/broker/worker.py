@@ -26,7 +26,7 @@ from kafscale.broker.server import (
     SaslSettings,
     run_on_sent,
 )
-from kafscale.broker.shm import CacheReader, CacheRef, Ring, SharedArea
+from kafscale.broker.shm import CacheReader, CacheRef, Ring, SharedArea, ref_position
 from kafscale.config import Config
 from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol import schemas
@@ -56,7 +56,7 @@ class _ViewCache:
         if seg is None:
             del self.refs[key]
             return None
-        ON_SENT.get().append(lambda: self.reader.release(ref[0]))
+        ON_SENT.get().append(lambda: self.reader.release(ref_position(ref)))
         return seg
 
     def holds(self, key: str) -> bool:

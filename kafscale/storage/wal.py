@@ -27,7 +27,8 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from array import array
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -512,15 +513,35 @@ class WalIndex:
             self._parsed = parsed
 
 
-Summary = tuple[str, bool, list[tuple[str, str, int, int, int]]]
+Summary = tuple[str, bool, tuple[tuple[str, str], ...], bytes]
+
+
+def summary(key: str, shared: bool, slices: Iterable[tuple[str, str, int, int, int]]) -> Summary:
+    """A directory as the collector keeps it: the object's key, whether it is
+    a shared segment object, its topics (name, id hex), and per slice of
+    (topic, topic id hex, partition, base, last offset) the topic's place
+    among them, the partition and the offsets as 8-byte integers. Its slices
+    are one bytes object, no objects of Python's cyclic collector: a tuple
+    each (one per slice, kept for the compaction lag) were a third of what
+    each young collection of the log process went through (bench/README.md)."""
+    topics: dict[tuple[str, str], int] = {}
+    rows = array("q")
+    for topic, tid, p, base, last in slices:
+        rows.extend((topics.setdefault((topic, tid), len(topics)), p, base, last))
+    return key, shared, tuple(topics), rows.tobytes()
+
+
+def summary_slices(s: Summary) -> Iterator[tuple[str, str, int, int, int]]:
+    """A summary's slices as (topic, topic id hex, partition, base, last offset)."""
+    rows = memoryview(s[3]).cast("q")
+    for i in range(0, len(rows), 4):
+        yield (*s[2][rows[i]], rows[i + 1], rows[i + 2], rows[i + 3])
 
 
 def _summary(raw: bytes, shared: bool) -> Summary:
-    """A directory as the collector needs it: the object's key, whether it is
-    a shared segment object, and per slice its topic, topic id hex, partition,
-    base and last offset."""
-    key, slices = slice_manifests(raw)
-    return key, shared, [(topic, tid, p, m.base, m.last) for topic, tid, p, m in slices]
+    d = json.loads(raw)
+    return summary(d["key"], shared, ((sl["topic"], sl["topic_id"], sl["partition"], sl["base"], sl["last"])
+                                      for sl in d["slices"]))
 
 
 def merged_away(ranges: Iterable[tuple[int, int]]) -> set[tuple[int, int]]:
@@ -550,7 +571,7 @@ class SharedRanges:
         self._changed: set[tuple[str, int]] = set()
 
     def add(self, summary: Summary, n: int = 1) -> None:
-        for _, tid, p, base, last in summary[2] if summary[1] else ():
+        for _, tid, p, base, last in summary_slices(summary) if summary[1] else ():
             found = self._ranges.setdefault((tid, p), {})
             if count := found.get((base, last), 0) + n:
                 found[(base, last)] = count
@@ -625,7 +646,7 @@ class Collector:
                         or (not shared and hw[key] > last) or (shared and self._shared.is_merged(tid, p, base, last)))
 
             async for chunk in in_turns(list(self._seen.items()), 50):
-                dead += [(k, key) for k, (key, shared, slices) in chunk if all(done(shared, *sl) for sl in slices)]
+                dead += [(k, sm[0]) for k, sm in chunk if all(done(sm[1], *sl) for sl in summary_slices(sm))]
         if dead:
             await self.meta.forget_wal([k for k, _ in dead])
             for k, _ in dead:
@@ -634,7 +655,7 @@ class Collector:
             asyncio.get_running_loop().call_later(GRACE_S, lambda: asyncio.ensure_future(_delete(self.store, objects)))
         if time.monotonic() >= self._orphans_swept + self.orphan_age_s / 2:
             self._orphans_swept = time.monotonic()
-            await self._sweep_orphans({key for key, _, _ in self._seen.values()} | {key for _, key in dead})
+            await self._sweep_orphans({sm[0] for sm in self._seen.values()} | {key for _, key in dead})
         return len(dead)
 
     async def _sweep_orphans(self, named: set[str]) -> None:

@@ -6,6 +6,7 @@ segment in the object is before its partition's log start."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 
@@ -15,7 +16,15 @@ from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import ReadBudget
 from kafscale.storage.segment import build_segment, segment_key
 from kafscale.storage.shared import compact_shared
-from kafscale.storage.wal import Collector, NodeFlusher, SharedRanges, merged_away, shared_prefix
+from kafscale.storage.wal import (
+    Collector,
+    NodeFlusher,
+    SharedRanges,
+    merged_away,
+    shared_prefix,
+    summary,
+    summary_slices,
+)
 from tests.unit.test_node_flush import Node
 from tests.unit.test_partition import TOPIC, DictCache, append, batch, run
 
@@ -243,8 +252,8 @@ def test_shared_ranges_kept_up_to_date_agree_with_working_them_out_again():
     the collector's running account calls merged away is what the rule gives
     over the directories it holds at that moment."""
     rng = random.Random(7)
-    summaries = [(f"k{i}", True, [("t", "ab", rng.randrange(3), base, base + rng.randrange(1, 40))
-                                   for base in rng.sample(range(60), 4)]) for i in range(40)]
+    summaries = [summary(f"k{i}", True, [("t", "ab", rng.randrange(3), base, base + rng.randrange(1, 40))
+                                         for base in rng.sample(range(60), 4)]) for i in range(40)]
     held: list = []
     ranges = SharedRanges()
 
@@ -258,8 +267,19 @@ def test_shared_ranges_kept_up_to_date_agree_with_working_them_out_again():
                 ranges.add(s)
             await ranges.update()
             for p in range(3):
-                found = [(base, last) for s in held for _, _, q, base, last in s[2] if q == p]
+                found = [(base, last) for s in held for _, _, q, base, last in summary_slices(s) if q == p]
                 want = merged_away(found)
                 assert {r for r in set(found) if ranges.is_merged("ab", p, *r)} == want, f"step {step}"
 
     run(go())
+
+
+def test_a_directory_summary_keeps_its_slices_in_one_bytes_object():
+    """The collector keeps a summary of every directory for the compaction
+    lag (a slice each for every record at 100 partitions): its slices must
+    not be one tracked object each."""
+    slices = [("t", "ab", p, 10 * p, 10 * p + 9) for p in range(50)] + [("u", "cd", 3, 0, 4)]
+    s = summary("wal-key", False, slices)
+    assert list(summary_slices(s)) == slices
+    tracked = [o for o in gc.get_referents(s) if gc.is_tracked(o)]
+    assert tracked == [s[2]] and len(s[2]) == 2  # the topics, (name, id hex) each
