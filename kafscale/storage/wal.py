@@ -539,9 +539,8 @@ def summary_slices(s: Summary) -> Iterator[tuple[str, str, int, int, int]]:
 
 
 def _summary(raw: bytes, shared: bool) -> Summary:
-    d = json.loads(raw)
-    return summary(d["key"], shared, ((sl["topic"], sl["topic_id"], sl["partition"], sl["base"], sl["last"])
-                                      for sl in d["slices"]))
+    key, slices = slice_manifests(raw)
+    return summary(key, shared, ((topic, tid, p, m.base, m.last) for topic, tid, p, m in slices))
 
 
 def merged_away(ranges: Iterable[tuple[int, int]]) -> set[tuple[int, int]]:
