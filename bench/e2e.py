@@ -14,8 +14,8 @@
    steps back to disk (os.sync()): SeaweedFS writes through the page cache,
    and when the kernel writes back the gigabytes of the earlier steps
    during this one, etcd's WAL fsyncs on the same disk wait tens to hundreds
-   of milliseconds behind them (seen here: acks=all p99 62 and 431 ms, with
-   etcd commits of up to 290 ms);
+   of milliseconds behind them (seen here with --s3-on-disk: acks=all p99 62
+   and 431 ms, with etcd commits of up to 290 ms);
 5. consume catch-up from a freshly started broker (cold cache, all from S3)
    against raw S3 GET MB/s of the same segment objects, with the CPU each
    process used meanwhile (SeaweedFS, broker, consumer) and the peak memory
@@ -28,12 +28,18 @@
 and prints each broker figure as a ratio of its baseline. The store's volumes
 are 8 GiB, so that none fills (and stalls writes) during the run.
 
-    python bench/e2e.py [--mib 256] [--rounds 5] [--partitions 1] [--workers 2]
+SeaweedFS keeps its objects on a tmpfs (/dev/shm) unless --s3-on-disk (then
+on etcd's disk, as `kafscale dev` does): on one ext4 disk each of etcd's
+fsyncs also writes what SeaweedFS wrote since the last one, which no
+deployment does (bench/README.md). The run takes a few GiB of memory there.
+
+    python bench/e2e.py [--mib 256] [--rounds 5] [--partitions 1] [--workers 2] [--s3-on-disk]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -41,7 +47,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aioboto3
@@ -50,6 +56,18 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY, DevStack, free_port
 from kafscale.storage.objectstore import ObjectStore
+
+
+@contextlib.contextmanager
+def stack_dirs(s3_on_disk: bool) -> Iterator[tuple[str, str | None]]:
+    """A temporary directory for a bench's dev stack, and one on a tmpfs for
+    SeaweedFS's objects (None with s3_on_disk or without /dev/shm: then they
+    go under the first, on etcd's disk)."""
+    tmpfs = not s3_on_disk and os.path.isdir("/dev/shm")
+    with (tempfile.TemporaryDirectory(prefix="kafscale-bench-") as tmp,
+          tempfile.TemporaryDirectory(prefix="kafscale-bench-s3-", dir="/dev/shm") if tmpfs
+          else contextlib.nullcontext() as s3_dir):
+        yield tmp, s3_dir
 
 
 def dev_store(bucket: str, endpoint: str) -> ObjectStore:
@@ -299,13 +317,15 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rounds", type=int, default=5,
                     help="raw PUT then broker produce, alternately, this many times (the median ratio counts)")
+    ap.add_argument("--s3-on-disk", action="store_true", help="keep SeaweedFS's objects on etcd's disk")
     args = ap.parse_args()
     linger_ms = 5
-    with tempfile.TemporaryDirectory(prefix="kafscale-bench-") as tmp:
+    with stack_dirs(args.s3_on_disk) as (tmp, s3_dir):
         # volumes large enough that none fills during the run: a filling volume stalls writes for a moment,
         # and with 1 GiB volumes the boundaries fell in the broker's phases of rounds 2 and 4, never in a raw PUT
         # phase: round 4 was the lowest of all four runs measured so (0.61-0.74), round 2 the next in two
-        stack = DevStack(data_dir=tmp, volume_mib=8192).start()
+        stack = DevStack(data_dir=tmp, volume_mib=8192, s3_dir=s3_dir).start()
+        print(f"SeaweedFS's objects in {stack.s3_dir}, etcd's data in {tmp}/etcd")
         try:
             put_lat = asyncio.run(put_latencies(stack))
             produced: dict[int, float] = {}

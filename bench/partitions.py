@@ -68,7 +68,6 @@ import multiprocessing
 import os
 import signal
 import statistics
-import tempfile
 import time
 import urllib.request
 import uuid
@@ -80,13 +79,14 @@ from pathlib import Path
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from bench.e2e import CpuMeter, broker_children, dev_store, pct, put_latencies, start_broker
+from bench.e2e import CpuMeter, broker_children, dev_store, pct, put_latencies, stack_dirs, start_broker
 from kafscale.devstack import DevStack, free_port
 from kafscale.metadata.etcd_client import EtcdClient
 from kafscale.metadata.store import MetaStore
 
 LINGER_MS = 5
 RECORD = 1024
+REFERENCE_LOOP = 2_000_000  # iterations of the machine's reference work (reference_ms)
 
 
 async def etcd_txn_latencies(stack: DevStack, n: int = 300) -> list[float]:
@@ -304,6 +304,7 @@ class Run:
     compacted_s: float  # from the last acknowledgement until every node object is compacted away
     probe_put_p99: float  # seconds, a 64 KiB PUT by the StorageProbe during the load
     probe_txn_p99: float  # seconds, a one-key etcd transaction by the StorageProbe during the load
+    reference_ms: float  # the machine's reference work just before the broker started (reference_ms())
 
     @property
     def bound(self) -> float:
@@ -312,6 +313,20 @@ class Run:
 
     def per_s(self, what: str) -> float:
         return getattr(self, what) / self.seconds
+
+
+def reference_ms(times: int = 5) -> float:
+    """How long a fixed piece of pure-Python work takes this process (the
+    median of a few): how fast the machine is now. On this virtual machine
+    the same broker work took 30% more CPU from one hour to the next, so
+    runs are compared by their ratios to P = 1 of the same round, and by
+    this where they are not."""
+    def once() -> float:
+        t, x = time.perf_counter(), 0
+        for i in range(REFERENCE_LOOP):
+            x += i * i
+        return time.perf_counter() - t
+    return statistics.median(once() for _ in range(times)) * 1000
 
 
 def machine_busy_s() -> float:
@@ -371,6 +386,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
             drain: float) -> Run:
     cluster = f"p{partitions}r{rate}{uuid.uuid4().hex[:4]}"
     admin = f"127.0.0.1:{free_port()}"
+    reference = reference_ms()
     proc, bootstrap = start_broker(stack, logdir, cluster, linger_ms=str(LINGER_MS),
                                    node_flush=str(mode == "node").lower(), admin_listen=admin)
     try:
@@ -405,7 +421,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
                end["txns"] - start["txns"] - len(probe.txns), end["keys"] - start["keys"], end["db"] / (1 << 20),
                lat, cpu.cores["broker"], {k: cpu.cores[k] for k in ("log process", "workers", "SeaweedFS", "etcd")},
                cpu.cores["bench client"], machine, peak, idle, open_s, broker_ms, etcd_ms,
-               requests, compacted, pct(probe.puts, 0.99), pct(probe.txns, 0.99))
+               requests, compacted, pct(probe.puts, 0.99), pct(probe.txns, 0.99), reference)
 
 
 def report(runs: list[Run], idle_bound: float) -> None:
@@ -433,7 +449,7 @@ def report(runs: list[Run], idle_bound: float) -> None:
             disk = ", ".join(f"{col} {p99:g}/{top:g}" for col, (_, p99, top) in r.etcd_ms.items())
             of = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_of.items())
             print(f"       CPU cores: broker {r.cpu:.2f} ({of}), the producer {r.client_cpu:.2f}, the whole machine "
-                  f"{r.machine_cpu:.2f} of {os.cpu_count()}")
+                  f"{r.machine_cpu:.2f} of {os.cpu_count()}; the machine's reference work {r.reference_ms:.0f} ms")
             print(f"       in etcd: p99/max ms: {disk}")
             print(f"       storage during the load (the probe): S3 PUT p99 {r.probe_put_p99 * 1000:.1f} ms, etcd "
                   f"transaction p99 {r.probe_txn_p99 * 1000:.1f} ms; bound {r.bound * 1000:.1f} ms, ack p99 / bound "
@@ -451,14 +467,15 @@ def report(runs: list[Run], idle_bound: float) -> None:
 FIGURES: dict[str, Callable[[Run], float]] = {  # what medians() reports of each run
     "p50": lambda r: pct(r.lat, 0.5) * 1000, "p99": lambda r: pct(r.lat, 0.99) * 1000,
     "p99 / bound": lambda r: pct(r.lat, 0.99) / r.bound, "puts": lambda r: r.per_s("puts"),
-    "txns": lambda r: r.per_s("txns"), "cpu": lambda r: r.cpu}
+    "txns": lambda r: r.per_s("txns"), "cpu": lambda r: r.cpu, "reference": lambda r: r.reference_ms}
 
 
 def median_cell(runs: list[Run], base: dict[int, Run], what: str, fmt: str) -> str:
     """The median of a figure over the runs, and (but for p99 / bound) the median of its ratios to base's
     run of the same round."""
     f = FIGURES[what]
-    ratio = "" if what == "p99 / bound" else f" ({statistics.median(f(r) / f(base[r.round]) for r in runs):.2f})"
+    ratio = ("" if what in ("p99 / bound", "reference")
+             else f" ({statistics.median(f(r) / f(base[r.round]) for r in runs):.2f})")
     return f"{statistics.median(f(r) for r in runs):{fmt}}{ratio}"
 
 
@@ -471,13 +488,13 @@ def medians(runs: list[Run]) -> None:
         print(f"\n{mode} flushes, {rate} records/s: medians over {len(base)} rounds (of each round's ratio to its "
               f"P = {next(iter(base.values())).partitions} in brackets)")
         print(f"{'P':>6} {'ack p50 ms':>15} {'ack p99 ms':>15} {'p99 / bound':>12} {'S3 PUT/s':>13} {'etcd txn/s':>13} "
-              f"{'broker cores':>13}   p99 per round ms")
+              f"{'broker cores':>13} {'ref. ms':>8}   p99 per round ms")
         for n in sorted({r.partitions for r in rows}):
             mine = [r for r in rows if r.partitions == n and r.round in base]
             cells = [median_cell(mine, base, what, fmt) for what, fmt in
                      (("p50", ".1f"), ("p99", ".1f"), ("p99 / bound", ".2f"), ("puts", ".0f"), ("txns", ".0f"),
-                      ("cpu", ".2f"))]
-            print(f"{n:>6} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, (15, 15, 12, 13, 13, 13), strict=True))
+                      ("cpu", ".2f"), ("reference", ".0f"))]
+            print(f"{n:>6} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, (15, 15, 12, 13, 13, 13, 8), strict=True))
                   + "   " + " ".join(f"{FIGURES['p99'](r):.0f}" for r in mine))
 
 
@@ -494,10 +511,7 @@ def main() -> None:
     ap.add_argument("--s3-on-disk", action="store_true", help="keep SeaweedFS's objects on etcd's disk")
     args = ap.parse_args()
     counts = sorted(int(x) for x in args.partitions.split(","))
-    tmpfs = not args.s3_on_disk and os.path.isdir("/dev/shm")
-    with (tempfile.TemporaryDirectory(prefix="kafscale-bench-") as tmp,
-          tempfile.TemporaryDirectory(prefix="kafscale-bench-s3-", dir="/dev/shm") if tmpfs
-          else contextlib.nullcontext() as s3_dir):
+    with stack_dirs(args.s3_on_disk) as (tmp, s3_dir):
         stack = DevStack(data_dir=tmp, volume_mib=8192, s3_dir=s3_dir).start()
         print(f"SeaweedFS's objects in {stack.s3_dir}, etcd's data in {tmp}/etcd")
         try:
