@@ -528,9 +528,10 @@ class PartitionRegistry:
         all compacted (or expired, or of deleted topics) and delete them: on
         one broker of the cluster, the one placement picks for it (every
         broker's pass would read and parse every directory)."""
-        collector = Collector(self.meta, self.store, self.cfg.namespace)
+        every_s = self.cfg.compaction_lag_ms / 2000
+        collector = Collector(self.meta, self.store, self.cfg.namespace, spread_s=every_s)
         while True:
-            await asyncio.sleep(self.cfg.compaction_lag_ms / 2000)
+            await asyncio.sleep(every_s)
             if not self.cluster.collects():
                 continue
             try:
