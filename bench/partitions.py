@@ -317,10 +317,11 @@ class Run:
 
 def reference_ms(times: int = 5) -> float:
     """How long a fixed piece of pure-Python work takes this process (the
-    median of a few): how fast the machine is now. On this virtual machine
-    the same broker work took 30% more CPU from one hour to the next, so
-    runs are compared by their ratios to P = 1 of the same round, and by
-    this where they are not."""
+    median of a few): how fast the machine is now. On the bench's virtual
+    machine the same broker work took 26-30% more CPU in the afternoon
+    than in the morning, so runs are compared by their ratios to P = 1 of
+    the same round, and by this where they are not (it varies by up to a
+    quarter between back-to-back measurements on the idle machine too)."""
     def once() -> float:
         t, x = time.perf_counter(), 0
         for i in range(REFERENCE_LOOP):
