@@ -187,8 +187,12 @@ def test_transactions_are_refused_at_once_with_a_fatal_error(broker, topic_name)
         Producer({"bootstrap.servers": broker.bootstrap, "transactional.id": "tx-c"}).init_transactions(30)
     assert exc.value.args[0].fatal() and "does not support transactions" in exc.value.args[0].str()
 
-    with pytest.raises(TransactionalIdAuthorizationFailedError):
-        KafkaProducer(bootstrap_servers=broker.bootstrap, transactional_id="tx-k").init_transactions()
+    kp = KafkaProducer(bootstrap_servers=broker.bootstrap, transactional_id="tx-k")
+    try:
+        with pytest.raises(TransactionalIdAuthorizationFailedError):
+            kp.init_transactions()
+    finally:  # else its sender thread reconnects (with random backoff) for the rest of the test session
+        kp.close(timeout=5)
 
     async def aiokafka_transaction() -> None:
         p = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, transactional_id="tx-a")
