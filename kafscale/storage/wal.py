@@ -1,8 +1,9 @@
 """Node flushes: one object per flush cycle for every partition a log process
 owns, committed in one etcd transaction whatever the partition count.
 
-The NodeFlusher gathers the queued batches of all its partition logs for
-`linger_ms` (sooner once `flush_bytes` are queued), builds each partition's
+The NodeFlusher cuts one object of the queued batches of all its partition
+logs at most every `linger_ms` (sooner once `flush_bytes` are queued; a batch
+queued after a quiet spell goes at once), builds each partition's
 part as a complete .kfs segment (a *slice*), writes the slices back to back
 with a directory after them as one node object (If-None-Match), and commits
 the directory under `wal/{fence}/{seq}` in one etcd transaction that compares
@@ -265,7 +266,7 @@ class NodeFlusher:
         self.seq = 0
         self.queued: dict[PartitionLog, None] = {}  # logs with batches queued, in the order they queued them
         self.queued_bytes = 0
-        self._first_at = 0.0
+        self._cut_at = 0.0  # time.monotonic() when the last object was cut (its batches taken)
         self._wake = asyncio.Event()
         self._uploads = asyncio.Semaphore(MAX_UPLOADS)
         self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
@@ -301,8 +302,6 @@ class NodeFlusher:
 
     def notify(self, lg: PartitionLog, n: int) -> None:
         """A log queued n more bytes."""
-        if not self.queued_bytes:
-            self._first_at = time.monotonic()
         self.queued[lg] = None
         self.queued_bytes += n
         self._wake.set()
@@ -329,7 +328,7 @@ class NodeFlusher:
                 taken.append((lg, items))
                 size += sum(len(p.payload) for p in items)
         self.queued_bytes = max(self.queued_bytes - size, 0) if self.queued else 0
-        self._first_at = time.monotonic()
+        self._cut_at = time.monotonic()
         if not self.queued:
             self._wake.clear()
         return taken
@@ -337,8 +336,8 @@ class NodeFlusher:
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
-            if self.queued_bytes < self.cfg.flush_bytes:  # linger from the oldest queued batch
-                wait = self._first_at + self.cfg.linger_ms / 1000 - time.monotonic()
+            if self.queued_bytes < self.cfg.flush_bytes:  # one object per linger_ms, counted from the last cut
+                wait = self._cut_at + self.cfg.linger_ms / 1000 - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
             await self._uncommitted.acquire()

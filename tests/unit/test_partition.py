@@ -65,7 +65,7 @@ class Cluster:
     async def open(self, node_id: int = 1, partition: int = 0, **cfg: object) -> PartitionLog:
         if await self.meta.get_topic(TOPIC) is None:
             await self.meta.create_topic(TOPIC, self.partitions, {})
-        config = Config(node_id=node_id, namespace="unit", linger_ms=1, **cfg)
+        config = Config(**{"node_id": node_id, "namespace": "unit", "linger_ms": 1, **cfg})  # type: ignore[arg-type]
         lg = PartitionLog(TOPIC, partition, config, self.store, self.meta, DictCache(), ReadBudget(64 << 20),
                           lambda _lg, m: self.changes.append(m))
         await lg.open()
@@ -102,6 +102,22 @@ def test_acknowledged_only_once_in_s3_and_committed_in_etcd():
         data = b"".join(bytes(b) for b in await lg.read(0, 1 << 20))
         values = [v for b in _native.scan_batches(data, True) for *_, v, _ in _native.iter_records(b, data)]
         assert values == [b"a", b"b", b"c"]
+        await lg.close()
+
+    run(go())
+
+
+def test_a_segment_is_cut_at_most_once_per_linger_and_at_once_after_a_quiet_spell():
+    """The linger counts from the last cut, not from the oldest queued batch:
+    a batch queued while nothing was cut for linger_ms goes at once, one
+    queued right after it waits for the next cycle."""
+    async def go():
+        c = Cluster()
+        lg = await c.open(linger_ms=60_000)
+        assert await asyncio.wait_for(append(lg, batch(b"a")), 5) == 0, "after a quiet spell: no linger"
+        second = append(lg, batch(b"b"))
+        await asyncio.sleep(0.2)
+        assert not second.done() and await c.hw() == 1, "the next segment waits for the next cycle"
         await lg.close()
 
     run(go())
