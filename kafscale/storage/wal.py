@@ -1,9 +1,9 @@
 """Node flushes: one object per flush cycle for every partition a log process
 owns, committed in one etcd transaction whatever the partition count.
 
-The NodeFlusher cuts one object of the queued batches of all its partition
-logs at most every `linger_ms` (sooner once `flush_bytes` are queued; a batch
-queued after a quiet spell goes at once), builds each partition's
+The NodeFlusher gathers the queued batches of all its partition logs for
+`linger_ms` (sooner once `flush_bytes` are queued; at once after a quiet
+spell, see linger_wait), builds each partition's
 part as a complete .kfs segment (a *slice*), writes the slices back to back
 with a directory after them as one node object (If-None-Match), and commits
 the directory under `wal/{fence}/{seq}` in one etcd transaction that compares
@@ -25,6 +25,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import struct
 import time
 import uuid
@@ -197,6 +198,20 @@ async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callab
     return out
 
 
+def linger_wait(first_at: float, cut_at: float, linger_ms: int) -> float:
+    """How long a flush loop waits before it cuts an object (or a segment) of
+    the queued batches: the oldest was queued at first_at, the last cut was at
+    cut_at (time.monotonic()). While batches flow, until the oldest has waited
+    linger_ms, so that the ones behind it go along; after a quiet spell
+    (nothing cut for linger_ms before it came) not at all: it would wait
+    alone, on top of the client's own linger. Cuts stay linger_ms apart
+    either way. Cutting every linger_ms from the last cut instead wrote about
+    a fifth more objects under steady load at 100 and 1,000 partitions, and
+    their acknowledgements' p99 rose by a quarter (bench/README.md)."""
+    linger_s = linger_ms / 1000
+    return 0.0 if first_at - cut_at >= linger_s else first_at + linger_s - time.monotonic()
+
+
 class Turns:
     """Lets other work run each time `size` units of work (slices, bytes) were
     done since it last did: a pass that goes through much in one go holds
@@ -266,7 +281,8 @@ class NodeFlusher:
         self.seq = 0
         self.queued: dict[PartitionLog, None] = {}  # logs with batches queued, in the order they queued them
         self.queued_bytes = 0
-        self._cut_at = 0.0  # time.monotonic() when the last object was cut (its batches taken)
+        self._first_at = 0.0  # time.monotonic() when the oldest queued batch was queued
+        self._cut_at = -math.inf  # time.monotonic() when the last object was cut (its batches taken)
         self._wake = asyncio.Event()
         self._uploads = asyncio.Semaphore(MAX_UPLOADS)
         self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
@@ -302,6 +318,8 @@ class NodeFlusher:
 
     def notify(self, lg: PartitionLog, n: int) -> None:
         """A log queued n more bytes."""
+        if not self.queued_bytes:
+            self._first_at = time.monotonic()
         self.queued[lg] = None
         self.queued_bytes += n
         self._wake.set()
@@ -328,7 +346,7 @@ class NodeFlusher:
                 taken.append((lg, items))
                 size += sum(len(p.payload) for p in items)
         self.queued_bytes = max(self.queued_bytes - size, 0) if self.queued else 0
-        self._cut_at = time.monotonic()
+        self._cut_at = self._first_at = time.monotonic()
         if not self.queued:
             self._wake.clear()
         return taken
@@ -336,8 +354,8 @@ class NodeFlusher:
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
-            if self.queued_bytes < self.cfg.flush_bytes:  # one object per linger_ms, counted from the last cut
-                wait = self._cut_at + self.cfg.linger_ms / 1000 - time.monotonic()
+            if self.queued_bytes < self.cfg.flush_bytes:
+                wait = linger_wait(self._first_at, self._cut_at, self.cfg.linger_ms)
                 if wait > 0:
                     await asyncio.sleep(wait)
             await self._uncommitted.acquire()

@@ -104,10 +104,10 @@ def test_objects_uploaded_during_a_slow_commit_commit_together_in_order():
     run(go())
 
 
-def test_an_object_is_cut_at_most_once_per_linger_and_at_once_after_a_quiet_spell():
-    """The linger counts from the last cut: a batch queued on an idle node goes
-    at once (it used to wait linger_ms on top of the client's own linger),
-    and the node still writes at most one object per linger_ms."""
+def test_a_batch_after_a_quiet_spell_goes_at_once_and_the_next_ones_gather_for_the_linger():
+    """A batch queued on an idle node is cut at once (it used to wait linger_ms
+    on top of the client's own linger); the batches queued right after it
+    gather for linger_ms, so objects stay linger_ms apart."""
     async def go():
         n = Node()
         n.cfg = Config(node_id=1, namespace="unit", linger_ms=60_000, node_flush=True)
@@ -115,7 +115,7 @@ def test_an_object_is_cut_at_most_once_per_linger_and_at_once_after_a_quiet_spel
         assert await asyncio.wait_for(append(p0, batch(b"a")), 5) == 0, "after a quiet spell: no linger"
         later = [append(p0, batch(b"b")), append(p1, batch(b"c"))]
         await asyncio.sleep(0.2)
-        assert n.uploaded() == 1 and not any(f.done() for f in later), "the next object waits for the next cycle"
+        assert n.uploaded() == 1 and not any(f.done() for f in later), "the next object gathers for the linger"
         await flusher.stop()
 
     run(go())

@@ -107,17 +107,16 @@ def test_acknowledged_only_once_in_s3_and_committed_in_etcd():
     run(go())
 
 
-def test_a_segment_is_cut_at_most_once_per_linger_and_at_once_after_a_quiet_spell():
-    """The linger counts from the last cut, not from the oldest queued batch:
-    a batch queued while nothing was cut for linger_ms goes at once, one
-    queued right after it waits for the next cycle."""
+def test_a_batch_after_a_quiet_spell_goes_at_once_and_the_next_ones_gather_for_the_linger():
+    """A batch queued while nothing was cut for linger_ms goes at once; one
+    queued right after it gathers for linger_ms."""
     async def go():
         c = Cluster()
         lg = await c.open(linger_ms=60_000)
         assert await asyncio.wait_for(append(lg, batch(b"a")), 5) == 0, "after a quiet spell: no linger"
         second = append(lg, batch(b"b"))
         await asyncio.sleep(0.2)
-        assert not second.done() and await c.hw() == 1, "the next segment waits for the next cycle"
+        assert not second.done() and await c.hw() == 1, "the next segment gathers for the linger"
         await lg.close()
 
     run(go())
