@@ -495,7 +495,7 @@ class PartitionLog(LogReader):
         while True:
             await self._wake.wait()
             if self._pending_bytes < self.segment_bytes:
-                wait = linger_wait(self._first_pending_at, self._cut_at, self.cfg.linger_ms)
+                wait = linger_wait(self._first_pending_at, self._cut_at, self.cfg.linger_ms, not self._flushes)
                 if wait > 0:
                     await asyncio.sleep(wait)
             await self._uncommitted.acquire()

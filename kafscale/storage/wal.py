@@ -198,18 +198,21 @@ async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callab
     return out
 
 
-def linger_wait(first_at: float, cut_at: float, linger_ms: int) -> float:
+def linger_wait(first_at: float, cut_at: float, linger_ms: int, idle: bool) -> float:
     """How long a flush loop waits before it cuts an object (or a segment) of
     the queued batches: the oldest was queued at first_at, the last cut was at
-    cut_at (time.monotonic()). While batches flow, until the oldest has waited
-    linger_ms, so that the ones behind it go along; after a quiet spell
-    (nothing cut for linger_ms before it came) not at all: it would wait
-    alone, on top of the client's own linger. Cuts stay linger_ms apart
-    either way. Cutting every linger_ms from the last cut instead wrote about
-    a fifth more objects under steady load at 100 and 1,000 partitions, and
-    their acknowledgements' p99 rose by a quarter (bench/README.md)."""
+    cut_at (time.monotonic()); idle: nothing cut before is uploading or
+    committing. While batches flow, until the oldest has waited linger_ms, so
+    that the ones behind it go along; after a quiet spell (idle, and nothing
+    cut for linger_ms before it came) not at all: it would wait alone, on top
+    of the client's own linger. Cuts stay linger_ms apart either way. Cutting
+    every linger_ms from the last cut instead wrote about a fifth more objects
+    under steady load at 100 and 1,000 partitions, and their acknowledgements'
+    p99 rose by a quarter; going at once after a gap of linger_ms even with
+    objects under way cut the first batch of librdkafka's bursts alone
+    (bench/README.md, session 30)."""
     linger_s = linger_ms / 1000
-    return 0.0 if first_at - cut_at >= linger_s else first_at + linger_s - time.monotonic()
+    return 0.0 if idle and first_at - cut_at >= linger_s else first_at + linger_s - time.monotonic()
 
 
 class Turns:
@@ -355,7 +358,7 @@ class NodeFlusher:
         while True:
             await self._wake.wait()
             if self.queued_bytes < self.cfg.flush_bytes:
-                wait = linger_wait(self._first_at, self._cut_at, self.cfg.linger_ms)
+                wait = linger_wait(self._first_at, self._cut_at, self.cfg.linger_ms, not self._flushes)
                 if wait > 0:
                     await asyncio.sleep(wait)
             await self._uncommitted.acquire()
