@@ -57,7 +57,8 @@ class Config:
     auto_create_topics: bool = _opt(False, "create unknown topics on Metadata/Produce")
     default_partitions: int = _opt(1, "partitions for auto-created topics and CreateTopics with -1")
     linger_ms: int = _opt(5, "how long batches gather before a node object (node_flush off: a partition's "
-                          "segment) is cut; a batch queued after a quiet spell goes at once")
+                          "segment) is cut; a batch queued after a quiet spell, with nothing uploading or "
+                          "committing, goes at once")
     segment_bytes: int = _opt(16 * 1024 * 1024, "largest segment a flush builds")
     node_flush: bool = _opt(True, "one object per flush cycle for all of a node's partitions, compacted into "
                             "per-partition segments later (see docs/architecture.md)")
