@@ -121,6 +121,29 @@ def test_a_batch_after_a_quiet_spell_goes_at_once_and_the_next_ones_gather_for_t
     run(go())
 
 
+def test_a_batch_after_a_gap_gathers_for_the_linger_while_an_object_is_under_way():
+    """Going at once needs an idle pipeline too: with an object still
+    committing, a batch that came after a gap of more than linger_ms is the
+    first of a burst, and the ones behind it go along."""
+    async def go():
+        n = Node()
+        n.cfg = Config(node_id=1, namespace="unit", linger_ms=2_000, node_flush=True)
+        flusher, (p0, p1) = await n.start()
+        n.gate.clear()
+        first = append(p0, batch(b"a"))
+        await n.until(lambda: n.commits == [[1]])
+        await asyncio.sleep(2.1)  # past the linger since that cut, the object still committing
+        later = append(p1, batch(b"b"))
+        await asyncio.sleep(0.2)
+        assert n.uploaded() == 1, "cut at once although an object was under way"
+        n.gate.set()
+        assert await asyncio.gather(first, later) == [0, 0]
+        assert n.uploaded() == 2
+        await flusher.stop()
+
+    run(go())
+
+
 def test_once_a_commit_fails_nothing_after_it_commits_or_is_acknowledged():
     async def go():
         n = Node()

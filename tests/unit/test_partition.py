@@ -65,7 +65,7 @@ class Cluster:
     async def open(self, node_id: int = 1, partition: int = 0, **cfg: object) -> PartitionLog:
         if await self.meta.get_topic(TOPIC) is None:
             await self.meta.create_topic(TOPIC, self.partitions, {})
-        config = Config(**{"node_id": node_id, "namespace": "unit", "linger_ms": 1, **cfg})  # type: ignore[arg-type]
+        config = Config(node_id=node_id, namespace="unit", **{"linger_ms": 1, **cfg})
         lg = PartitionLog(TOPIC, partition, config, self.store, self.meta, DictCache(), ReadBudget(64 << 20),
                           lambda _lg, m: self.changes.append(m))
         await lg.open()
