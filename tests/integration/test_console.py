@@ -77,7 +77,8 @@ def console_broker(make_broker, topic_name):
     admin = f"127.0.0.1:{free_port()}"
     b = make_broker(workers=1, admin_listen=admin)
     create_topic(b.bootstrap, topic_name, partitions=2)
-    confluent_produce(b.bootstrap, topic_name, [Rec(b"k", b"v")] * 30, partition=1)
+    # one request, so one segment whatever the broker's linger does with a client's burst
+    confluent_produce(b.bootstrap, topic_name, [Rec(b"k", b"v")] * 30, partition=1, **{"linger.ms": 1000})
     c = Consumer({"bootstrap.servers": b.bootstrap, "group.id": f"console-{topic_name}"})
     c.commit(offsets=[TopicPartition(topic_name, 1, 12)], asynchronous=False)
     c.close()
