@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -41,7 +40,7 @@ from kafscale.storage.segment import (
     key_epoch,
     segment_key,
 )
-from kafscale.storage.wal import Turns, continuing, linger_wait, retry
+from kafscale.storage.wal import Linger, Turns, continuing, retry
 
 if TYPE_CHECKING:
     from kafscale.storage.wal import NodeFlusher, WalIndex
@@ -113,8 +112,7 @@ class PartitionLog(LogReader):
         self._pending: list[_Pending] = []
         self._inflight: list[_Pending] = []  # taken by the flushes under way, in offset order
         self._pending_bytes = 0
-        self._first_pending_at = 0.0
-        self._cut_at = -math.inf  # time.monotonic() when the last segment was cut (its batches taken)
+        self._linger = Linger()
         self._wake = asyncio.Event()
         self._commit_lock = asyncio.Lock()  # flush commits and retention both move the partition key
         self._idle = asyncio.Event()  # set while nothing is queued or being flushed
@@ -210,7 +208,7 @@ class PartitionLog(LogReader):
         self.next_offset += sum(b.last_offset_delta + 1 for b in batches)
         fut = asyncio.get_running_loop().create_future() if want_ack else None
         if not self._pending:
-            self._first_pending_at = time.monotonic()
+            self._linger.queued()
         producer = None
         if first.producer_id >= 0:
             last_seq = batches[-1].base_sequence + batches[-1].last_offset_delta
@@ -495,7 +493,7 @@ class PartitionLog(LogReader):
         while True:
             await self._wake.wait()
             if self._pending_bytes < self.segment_bytes:
-                wait = linger_wait(self._first_pending_at, self._cut_at, self.cfg.linger_ms, not self._flushes)
+                wait = self._linger.wait(self.cfg.linger_ms, not self._flushes)
                 if wait > 0:
                     await asyncio.sleep(wait)
             await self._uncommitted.acquire()
@@ -508,7 +506,7 @@ class PartitionLog(LogReader):
                 size += len(p.payload)
             self._pending = self._pending[len(take):]
             self._pending_bytes -= size
-            self._cut_at = self._first_pending_at = time.monotonic()
+            self._linger.cut()
             if not self._pending:
                 self._wake.clear()
             self._inflight.extend(take)

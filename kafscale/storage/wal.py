@@ -3,7 +3,7 @@ owns, committed in one etcd transaction whatever the partition count.
 
 The NodeFlusher gathers the queued batches of all its partition logs for
 `linger_ms` (sooner once `flush_bytes` are queued; at once after a quiet
-spell, see linger_wait), builds each partition's
+spell, see Linger), builds each partition's
 part as a complete .kfs segment (a *slice*), writes the slices back to back
 with a directory after them as one node object (If-None-Match), and commits
 the directory under `wal/{fence}/{seq}` in one etcd transaction that compares
@@ -198,21 +198,39 @@ async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callab
     return out
 
 
-def linger_wait(first_at: float, cut_at: float, linger_ms: int, idle: bool) -> float:
-    """How long a flush loop waits before it cuts an object (or a segment) of
-    the queued batches: the oldest was queued at first_at, the last cut was at
-    cut_at (time.monotonic()); idle: nothing cut before is uploading or
-    committing. While batches flow, until the oldest has waited linger_ms, so
-    that the ones behind it go along; after a quiet spell (idle, and nothing
-    cut for linger_ms before it came) not at all: it would wait alone, on top
-    of the client's own linger. Cuts stay linger_ms apart either way. Cutting
-    every linger_ms from the last cut instead wrote about a fifth more objects
-    under steady load at 100 and 1,000 partitions, and their acknowledgements'
-    p99 rose by a quarter; going at once after a gap of linger_ms even with
-    objects under way cut the first batch of librdkafka's bursts alone
-    (bench/README.md, session 30)."""
-    linger_s = linger_ms / 1000
-    return 0.0 if idle and first_at - cut_at >= linger_s else first_at + linger_s - time.monotonic()
+class Linger:
+    """When a flush loop cuts an object (or a segment) of its queued batches.
+    While batches flow, once the oldest has waited linger_ms, so that the ones
+    behind it go along; after a quiet spell (nothing cut before is uploading or
+    committing, and nothing was cut for linger_ms before the batch came) at
+    once: it would wait alone, on top of the client's own linger. Cuts stay
+    linger_ms apart either way. Cutting every linger_ms from the last cut
+    instead wrote about a fifth more objects under steady load at 100 and 1,000
+    partitions, and their acknowledgements' p99 rose by a quarter; going at
+    once after a gap of linger_ms even with objects under way cut the first
+    batch of librdkafka's bursts alone (bench/README.md, session 30)."""
+
+    __slots__ = ("cut_at", "first_at")
+
+    def __init__(self) -> None:
+        self.first_at = 0.0  # time.monotonic() when the oldest queued batch was queued
+        self.cut_at = -math.inf  # time.monotonic() of the last cut
+
+    def queued(self) -> None:
+        """A batch came to an empty queue."""
+        self.first_at = time.monotonic()
+
+    def cut(self) -> None:
+        """The queued batches were taken (what is left counts from now)."""
+        self.cut_at = self.first_at = time.monotonic()
+
+    def wait(self, linger_ms: int, idle: bool) -> float:
+        """Seconds to wait before the next cut; idle: nothing cut before is
+        uploading or committing."""
+        linger_s = linger_ms / 1000
+        if idle and self.first_at - self.cut_at >= linger_s:
+            return 0.0
+        return self.first_at + linger_s - time.monotonic()
 
 
 class Turns:
@@ -284,8 +302,7 @@ class NodeFlusher:
         self.seq = 0
         self.queued: dict[PartitionLog, None] = {}  # logs with batches queued, in the order they queued them
         self.queued_bytes = 0
-        self._first_at = 0.0  # time.monotonic() when the oldest queued batch was queued
-        self._cut_at = -math.inf  # time.monotonic() when the last object was cut (its batches taken)
+        self._linger = Linger()
         self._wake = asyncio.Event()
         self._uploads = asyncio.Semaphore(MAX_UPLOADS)
         self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
@@ -322,7 +339,7 @@ class NodeFlusher:
     def notify(self, lg: PartitionLog, n: int) -> None:
         """A log queued n more bytes."""
         if not self.queued_bytes:
-            self._first_at = time.monotonic()
+            self._linger.queued()
         self.queued[lg] = None
         self.queued_bytes += n
         self._wake.set()
@@ -349,7 +366,7 @@ class NodeFlusher:
                 taken.append((lg, items))
                 size += sum(len(p.payload) for p in items)
         self.queued_bytes = max(self.queued_bytes - size, 0) if self.queued else 0
-        self._cut_at = self._first_at = time.monotonic()
+        self._linger.cut()
         if not self.queued:
             self._wake.clear()
         return taken
@@ -358,7 +375,7 @@ class NodeFlusher:
         while True:
             await self._wake.wait()
             if self.queued_bytes < self.cfg.flush_bytes:
-                wait = linger_wait(self._first_at, self._cut_at, self.cfg.linger_ms, not self._flushes)
+                wait = self._linger.wait(self.cfg.linger_ms, not self._flushes)
                 if wait > 0:
                     await asyncio.sleep(wait)
             await self._uncommitted.acquire()
