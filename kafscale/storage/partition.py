@@ -329,11 +329,12 @@ class PartitionLog(LogReader):
         """The compacted segments in shared objects just before the slices that
         a compaction of new_bytes into a shared object takes along, oldest first
         (at most `most`): going back from the newest, each one no larger than
-        what is taken so far, while everything stays within `limit` bytes. Like
-        a binary counter, a partition then keeps about log2(limit / new_bytes)
+        what is taken so far, while everything stays within `limit` bytes and
+        the topic's segment.bytes (retention drops whole segments). Like a
+        binary counter, a partition then keeps about log2(limit / new_bytes)
         small segments, and each record is rewritten as many times at most."""
         taken: list[SegmentManifest] = []
-        size = new_bytes
+        size, limit = new_bytes, min(limit, self.segment_bytes)
         for i in range(len(self.segments) - self._slice_count - 1, -1, -1):
             m = self.segments[i]
             if len(taken) == most or m.pos < 0 or m.size > size or size + m.size > limit or m.last < self.log_start:

@@ -247,6 +247,28 @@ def test_slow_partitions_merge_their_small_segments_and_merged_objects_are_colle
     run(go())
 
 
+def test_merges_stay_within_the_topics_segment_bytes():
+    """Retention drops whole segments: a topic with a small segment.bytes keeps
+    segments of at most that size, merged only as far as it allows."""
+    async def go():
+        n = Node()
+        flusher, [lg] = await n.start(partitions=1)
+        await append(lg, batch(b"r0"))
+        assert await share(n, flusher, [lg]) == 1
+        [first] = await n.meta.list_segments(TOPIC, 0)
+        lg.segment_bytes = 3 * first.size  # two records' segment fits, four records' does not
+        for r in range(1, 8):
+            await append(lg, batch(b"r%d" % r))
+            assert await share(n, flusher, [lg], seq=r + 1) == 1
+        manifests = await n.meta.list_segments(TOPIC, 0)
+        assert [m.count for m in manifests] == [2, 2, 2, 2], [(m.base, m.last, m.size) for m in manifests]
+        assert max(m.size for m in manifests) <= lg.segment_bytes
+        assert await values(lg) == [b"r%d" % r for r in range(8)]
+        await flusher.stop()
+
+    run(go())
+
+
 def test_shared_ranges_kept_up_to_date_agree_with_working_them_out_again():
     """Directories of shared objects added and forgotten in any order: what
     the collector's running account calls merged away is what the rule gives
