@@ -53,9 +53,8 @@ COMPACTION_MEMORY_SEGMENTS = 2  # compactions under way hold at most this many s
 # (producers waited for seconds)
 COMPACTIONS_AT_ONCE = 4
 # small partitions a check starts together (when that many are due) although the spread would start fewer:
-# one shared object for them costs what one for a single partition does, and a partition compacted alone
-# gets a .kfs of its own, whose small segments are never merged (a few slow partitions spread over the
-# checks one at a time would add an etcd key each per compaction_lag_ms for as long as their data is kept)
+# one shared object for them costs what one for a single partition does (a few slow partitions spread over
+# the checks one at a time would cost an object and a transaction each)
 SHARED_GATHER = 16
 # partitions claimed at once (etcd transactions in flight while a large topic opens, 10,000 at once without it).
 # Opening 10,000 new partitions that each still scanned node object directories, the lease refresh took 2-3.6 s
@@ -512,7 +511,7 @@ class PartitionRegistry:
                 for logs, shared in batches:
                     await slots.acquire()
                     if logs := [lg for lg in logs if not lg.closed]:
-                        task = asyncio.create_task(compact(logs, shared and len(logs) > 1),
+                        task = asyncio.create_task(compact(logs, shared),
                                                    name=f"compact {logs[0].topic}/{logs[0].partition}")
                         running.update((lg, task) for lg in logs)
                     else:
@@ -628,8 +627,8 @@ def compaction_batches(due: list[PartitionLog], shared: bool) -> list[tuple[list
     whether it is shared: without shared compaction each alone; with it, a
     log whose segment would be larger than SHARED_SEGMENT_BYTES alone, the
     others in shared objects of about equal size, each of at most
-    SHARED_PARTITIONS partitions and about SHARED_OBJECT_BYTES (the caller
-    compacts a shared object of one on its own)."""
+    SHARED_PARTITIONS partitions and about SHARED_OBJECT_BYTES (a group of
+    one too: its segment is merged later like the others)."""
     out: list[tuple[list[PartitionLog], bool]] = []
     small: list[tuple[PartitionLog, int]] = []
     for lg in due:

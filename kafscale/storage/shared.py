@@ -6,7 +6,8 @@ partition with new data every `compaction_lag_ms`; past a few hundred busy
 partitions one broker cannot keep up (about 60 a second, bench/README.md)
 and node objects pile up behind the lag. A partition whose compacted segment
 stays small (SHARED_SEGMENT_BYTES) is therefore compacted together with up
-to SHARED_PARTITIONS others: each one's segment is built as usual and the
+to SHARED_PARTITIONS others (or alone, when it is the only one due: its
+segment is merged later like the others'): each one's segment is built as usual and the
 segments go back to back into one *shared segment object*, laid out like a
 node object (docs/segment-format.md) under `~shared/{fence}/{seq}.kfn`. One
 transaction compares every partition key with what its owner last wrote,

@@ -105,12 +105,6 @@ def test_reads_every_record_with_mixed_codecs(spark, broker, topic_name):
     assert codecs_seen == set(CODECS), "every codec reached the segments"
 
 
-def segment_keys(broker, topic: str) -> list[str]:
-    pages = broker.stack.s3_client().get_paginator("list_objects_v2").paginate(Bucket=broker.stack.bucket,
-                                                                         Prefix=f"{broker.cluster}/{topic}/")
-    return sorted(o["Key"] for page in pages for o in page.get("Contents", []) if o["Key"].endswith(".kfs"))
-
-
 def test_large_segments_are_read_in_slices_cut_at_index_entries(spark, broker, topic_name):
     """A segment bigger than maxBytesPerPartition is read by several tasks,
     each from an index entry (a batch boundary), planned from etcd or from a
@@ -156,8 +150,13 @@ def test_offset_and_time_ranges_read_only_the_needed_objects(spark, broker, topi
     create_topic(broker.bootstrap, topic_name, config={**KEEP, "segment.bytes": "4096"})  # compacted into several
     rounds = produce_rounds(broker, topic_name, 5, 200)
     compacted(broker)
-    keys = segment_keys(broker, topic_name)
-    base_of = {k: int(k.rsplit("segment-", 1)[1][:20]) for k in keys}
+    segments = committed_segments(broker, topic_name)
+    base_of = {seg.key: seg.base for seg in segments}  # a shared object holds one segment of a partition
+    keys = list(base_of)
+    assert len(keys) == len(segments) > 3
+
+    def fetched() -> set[str]:
+        return {k.split("/", 1)[1] for k in s3log.gets("")} & base_of.keys()
 
     def segments_holding(lo: int, hi: int) -> set[str]:
         bases = sorted(base_of.values())
@@ -171,9 +170,8 @@ def test_offset_and_time_ranges_read_only_the_needed_objects(spark, broker, topi
                 startingOffsets=json.dumps({topic_name: {"0": lo}}), endingOffsets=json.dumps({topic_name: {"0": hi}}))
     got = sorted(r.offset for r in df.select("offset").collect())
     assert got == list(range(lo, hi))
-    fetched = {k.split("/", 1)[1] for k in s3log.gets(".kfs")}
-    assert fetched == segments_holding(lo, hi), "only the segments holding the range were read"
-    assert len(fetched) < len(keys)
+    assert fetched() == segments_holding(lo, hi), "only the segments holding the range were read"
+    assert len(fetched()) < len(keys)
     assert not [m for m, p in s3log.requests if "list-type" in p or (m == "GET" and p.rstrip("/").endswith(
         broker.stack.bucket))], "planning from etcd lists nothing"
 
@@ -183,11 +181,10 @@ def test_offset_and_time_ranges_read_only_the_needed_objects(spark, broker, topi
                 endingTimestamp=T0 + 3_000_000)
     got = sorted(r.offset for r in df.select("offset").collect())
     assert got == rounds[1] + rounds[2]
-    fetched = {k.split("/", 1)[1] for k in s3log.gets(".kfs")}
     # the rounds' segments, plus the first of round 3 where the end time is found
-    assert fetched <= segments_holding(rounds[1][0], rounds[3][0] + 1)
-    assert not fetched & segments_holding(rounds[0][0], rounds[0][-1] + 1), "round 0 was never read"
-    assert not fetched & segments_holding(rounds[4][0], rounds[4][-1] + 1), "round 4 was never read"
+    assert fetched() <= segments_holding(rounds[1][0], rounds[3][0] + 1)
+    assert not fetched() & segments_holding(rounds[0][0], rounds[0][-1] + 1), "round 0 was never read"
+    assert not fetched() & segments_holding(rounds[4][0], rounds[4][-1] + 1), "round 4 was never read"
 
 
 def run_cli(broker, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
