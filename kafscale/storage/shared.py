@@ -7,14 +7,15 @@ partitions one broker cannot keep up (about 60 a second, bench/README.md)
 and node objects pile up behind the lag. A partition whose compacted segment
 stays small (SHARED_SEGMENT_BYTES) is therefore compacted together with up
 to SHARED_PARTITIONS others (or alone, when it is the only one due: its
-segment is merged later like the others'): each one's segment is built as usual and the
-segments go back to back into one *shared segment object*, laid out like a
-node object (docs/segment-format.md) under `~shared/{fence}/{seq}.kfn`. One
-transaction compares every partition key with what its owner last wrote,
-moves each checkpoint past its segment, puts each segment's manifest (the
-object's key and the segment's position in it) and the object's directory
-under `shared/{fence}/{seq}`. Readers need nothing new: a manifest with a
-position is read like a node object's slice.
+segment is merged later like the others'): each one's segment is built as
+usual and the segments go back to back into one *shared segment object*,
+laid out like a node object (docs/segment-format.md) under
+`~shared/{fence}/{seq}.kfn`. One transaction compares every partition key
+with what its owner last wrote, moves each checkpoint past its segment,
+puts each segment's manifest (the object's key and the segment's position
+in it) and the object's directory under `shared/{fence}/{seq}`. Readers
+need nothing new: a manifest with a position is read like a node object's
+slice.
 
 A partition that writes little would add a small segment (and an etcd key)
 every compaction for as long as its data is kept. Its compaction therefore
