@@ -356,7 +356,8 @@ class PartitionLog(LogReader):
         turns = Turns(COMPACTION_TURN)  # hundreds of cached slices in one go held every acknowledgement
         for m in merged + slices:
             whole = await self.whole(m)  # from the cache, else one ranged GET
-            parts.append((memoryview(whole.data)[HEADER_SIZE:whole.body_end], m.base))
+            # a copy: the next await lets later segments overwrite the cache's bytes of this one
+            parts.append((bytes(memoryview(whole.data)[HEADER_SIZE:whole.body_end]), m.base))
             await turns.did()
         return merged, slices, build_segment(parts, int(time.time() * 1000))
 

@@ -13,15 +13,18 @@ import pytest
 from kafscale import _native
 from kafscale.broker.cluster import Cluster, rendezvous
 from kafscale.broker.partitions import PartitionRegistry
+from kafscale.broker.shm import SharedArea, SharedCache
 from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
 from kafscale.protocol.errors import ErrorCode
+from kafscale.records import decode_records
 from kafscale.storage import wal
+from kafscale.storage.cache import CachedSegment
 from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
-from kafscale.storage.segment import topic_marker_key
+from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE, topic_marker_key
 from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, by_partition, topic_marker
 from tests.unit.test_partition import TOPIC, DictCache, append, batch, run
 
@@ -47,7 +50,8 @@ class Node:
 
         self.meta.commit_wal = gated  # type: ignore[method-assign]
 
-    async def start(self, partitions: int = 2) -> tuple[NodeFlusher, list[PartitionLog]]:
+    async def start(self, partitions: int = 2, cache: SharedCache | None = None
+                    ) -> tuple[NodeFlusher, list[PartitionLog]]:
         meta = await self.meta.create_topic(TOPIC, partitions, {})
 
         async def on_fenced(_fence: str) -> None:
@@ -56,7 +60,7 @@ class Node:
         flusher = NodeFlusher(self.cfg, self.store, self.meta, lambda _t: meta.id, on_fenced)
         await flusher.start(await self.etcd.lease(60))
         wal = WalIndex(self.meta)
-        logs = [PartitionLog(TOPIC, p, self.cfg, self.store, self.meta, DictCache(), ReadBudget(64 << 20),
+        logs = [PartitionLog(TOPIC, p, self.cfg, self.store, self.meta, cache or DictCache(), ReadBudget(64 << 20),
                              lambda _lg, _m: None, (flusher, wal, meta.id)) for p in range(partitions)]
         for lg in logs:
             await lg.open()
@@ -407,6 +411,41 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
             assert len(started) == 10
             assert started[-1][0] - started[0][0] >= 0.06, [round(t - started[0][0], 3) for t, _ in started]
         await reg.close(drain_s=1)
+
+    run(go())
+
+
+def test_a_compaction_keeps_what_it_read_from_the_cache_while_later_segments_overwrite_it():
+    """A slice read from the shared cache is a view of its ring. Compaction
+    reads slices one after another and awaits between them (a GET, a turn),
+    while committed segments go on being written into the ring: the
+    compacted segment must hold the slice's records, not what overwrote its
+    bytes meanwhile (the same sizes, so that they parse as batches too)."""
+    async def go():
+        n = Node()
+        cache = SharedCache(SharedArea(1, 64, 64 << 10))
+        flusher, (lg, _) = await n.start(cache=cache)
+        for v in (b"a", b"b"):
+            await append(lg, batch(v * 1000))
+        _, second = lg._slices()
+        del cache.refs[second.ref]  # as when a worker pinned the ring while it was committed: compaction GETs it
+        real_get = n.store.get
+
+        async def get(key: str, start: int | None = None, end: int | None = None) -> bytes:
+            other = CachedSegment.from_object(await real_get(key, start, end))
+            other.data = bytes(other.data).replace(b"b" * 1000, b"z" * 1000)  # batches of the same size
+            for i in range(cache.size // len(other.data) + 1):  # the ring goes round once meanwhile
+                cache.put(f"other-{i}", other)
+            return await real_get(key, start, end)
+
+        n.store.get = get  # type: ignore[method-assign]
+        await lg.compact()
+        [compacted] = lg.segments
+        data = await real_get(compacted.key)
+        records, _ = decode_records(0, data[HEADER_SIZE:len(data) - FOOTER_SIZE], 0)
+        assert [(r.offset, r.value) for r in records] == [(0, b"a" * 1000), (1, b"b" * 1000)]
+        await lg.close()
+        await flusher.stop()
 
     run(go())
 
