@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kafscale.broker.access import Access
 from kafscale.broker.cluster import Cluster
@@ -48,6 +48,9 @@ from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, in_turns, ret
 log = logging.getLogger(__name__)
 
 COMPACTION_CHECK_S = 1.0  # how often open partitions are checked for slices due for compaction
+# compaction starts before a slice has been in the cache this share of the time the cache keeps it (it may wait
+# up to half as long again to start, and reads its slices when it does)
+COMPACTION_CACHE_SHARE = 1 / 3
 COMPACTION_MEMORY_SEGMENTS = 2  # compactions under way hold at most this many segment.bytes (slices read + built)
 # compactions under way at once: compacting a hundred at once queued two hundred PUTs ahead of the node flushes'
 # (producers waited for seconds)
@@ -133,8 +136,16 @@ class ClaimQueue:
             self._slots.release()
 
 
+class RecentCache(SegmentSource, Protocol):
+    """The cache committed segments go in, which compaction reads slices from."""
+
+    def keeps_s(self) -> float:
+        """About how long a segment put now stays in the cache (math.inf: for good)."""
+        ...
+
+
 class PartitionRegistry:
-    def __init__(self, cfg: Config, store: ObjectStore, meta: MetaStore, cache: SegmentSource,
+    def __init__(self, cfg: Config, store: ObjectStore, meta: MetaStore, cache: RecentCache,
                  cluster: Cluster) -> None:
         self.cfg = cfg
         self.store = store
@@ -461,13 +472,13 @@ class PartitionRegistry:
         400 ms every compaction_lag_ms (100 partitions). Of the partitions
         started together, those whose segments stay small share objects
         (kafscale.storage.shared): one PUT and one transaction for up to
-        SHARED_PARTITIONS of them."""
+        SHARED_PARTITIONS of them. The lag is shorter while the cache keeps
+        slices for less than three times compaction_lag_ms (compaction_lag_ms)."""
         limit = COMPACTION_MEMORY_SEGMENTS * self.cfg.segment_bytes
         free = [limit]
         freed = asyncio.Condition()
         slots = asyncio.Semaphore(COMPACTIONS_AT_ONCE)
         running: dict[PartitionLog, asyncio.Task[None]] = {}
-        spread = max(self.cfg.compaction_lag_ms / 2000 / COMPACTION_CHECK_S, 1)  # checks to start the due ones in
         seqs = itertools.count(1)  # shared objects of this process (named under the fence as well)
 
         async def compact(logs: list[PartitionLog], shared: bool) -> None:
@@ -498,10 +509,12 @@ class PartitionRegistry:
 
         try:
             while True:
-                now_ms = int(time.time() * 1000)
+                now_ms, lag_ms = int(time.time() * 1000), self.compaction_lag_ms()
+                spread = max(lag_ms / 2000 / COMPACTION_CHECK_S, 1)  # checks to start the due ones in
                 due = []
                 async for logs in in_turns(list(self.logs.values())):
-                    due += [lg for lg in logs if lg not in running and not lg.closed and lg.compaction_due(now_ms)]
+                    due += [lg for lg in logs
+                            if lg not in running and not lg.closed and lg.compaction_due(now_ms, lag_ms)]
                 due.sort(key=PartitionLog.oldest_slice_ms)
                 if not due:
                     await asyncio.sleep(COMPACTION_CHECK_S)
@@ -521,6 +534,16 @@ class PartitionRegistry:
             # in its commit left the partition key unknown, and the partition's hand-over then failed
             if running:
                 await asyncio.wait(set(running.values()))
+
+    def compaction_lag_ms(self) -> int:
+        """How old slices are compacted: compaction_lag_ms, or sooner while the
+        cache keeps them for less than 1 / COMPACTION_CACHE_SHARE times that
+        (at least a check apart). Compaction then reads its slices from
+        memory: at 20,000 records/s over 100 partitions, 256 MiB held about
+        6 s of slices and compacted segments, and compaction read each slice
+        back with a GET of its own (61,401 GETs against 1,113 PUTs)."""
+        keeps_ms = self.cache.keeps_s() * 1000 * COMPACTION_CACHE_SHARE
+        return int(min(self.cfg.compaction_lag_ms, max(keeps_ms, COMPACTION_CHECK_S * 1000)))
 
     async def collection_loop(self) -> None:
         """Every half compaction_lag_ms, forget the node objects whose slices are

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import math
 import mmap
 import struct
 import sys
+import time
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -46,6 +48,7 @@ _RING_HEADER = 64  # head u64 at 0 (worker), tail u64 at 8 (log process)
 _HEAD, _TAIL = 0, 8
 _RESERVE = 0  # cache header: end of the newest (being) written segment
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap has no name for it
+RATE_WINDOW_S = 10.0  # the cache's write rate (SharedCache.keeps_s) is measured over about this long
 
 
 def _align(n: int) -> int:
@@ -171,6 +174,7 @@ class SharedCache:
         self._head = 0
         self.refs: OrderedDict[str, CacheRef] = OrderedDict()
         self.skipped_pinned = 0
+        self._marks: deque[tuple[float, int]] = deque()  # (time, head), one a second, over RATE_WINDOW_S
 
     def _oldest_valid(self) -> int:
         return _native.atomic_load(self.header, _RESERVE) - self.size
@@ -202,6 +206,21 @@ class SharedCache:
         floor = self._oldest_valid()
         while self.refs and ref_position(next(iter(self.refs.values()))) < floor:
             self.refs.popitem(last=False)
+        now = time.monotonic()
+        if not self._marks or now - self._marks[-1][0] >= 1:
+            self._marks.append((now, end))
+            while now - self._marks[0][0] > RATE_WINDOW_S:
+                self._marks.popleft()
+
+    def keeps_s(self) -> float:
+        """About how long a segment put now stays before later ones overwrite
+        it, at the rate the cache was written over the last RATE_WINDOW_S
+        (math.inf while nothing is written)."""
+        if not self._marks:
+            return math.inf
+        since, head = self._marks[0]
+        written = self._head - head
+        return self.size * (time.monotonic() - since) / written if written > 0 else math.inf
 
     def ref(self, key: str) -> CacheRef | None:
         """Where `key` is cached, if it has not been overwritten since."""

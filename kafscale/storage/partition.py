@@ -300,10 +300,10 @@ class PartitionLog(LogReader):
         """The committed node object slices, oldest first."""
         return self.segments[len(self.segments) - self._slice_count:]
 
-    def compaction_due(self, now_ms: int) -> bool:
+    def compaction_due(self, now_ms: int, lag_ms: int) -> bool:
         """Whether the committed slices should be compacted now: their oldest is
-        compaction_lag_ms old, or they hold segment.bytes."""
-        return self._slice_count > 0 and (self.oldest_slice_ms() <= now_ms - self.cfg.compaction_lag_ms
+        lag_ms old, or they hold segment.bytes."""
+        return self._slice_count > 0 and (self.oldest_slice_ms() <= now_ms - lag_ms
                                           or self._slice_bytes >= self.segment_bytes)
 
     def oldest_slice_ms(self) -> int:
@@ -355,7 +355,7 @@ class PartitionLog(LogReader):
         parts = []
         turns = Turns(COMPACTION_TURN)  # hundreds of cached slices in one go held every acknowledgement
         for m in merged + slices:
-            whole = await self.whole(m)  # from the cache, else one ranged GET
+            whole = await self.whole(m, keep=False)  # from the cache, else one ranged GET
             # a copy: the next await lets later segments overwrite the cache's bytes of this one
             parts.append((bytes(memoryview(whole.data)[HEADER_SIZE:whole.body_end]), m.base))
             await turns.did()

@@ -363,13 +363,15 @@ class LogReader:
             raise LogError(ErrorCode.CORRUPT_MESSAGE, f"{m.key}: bytes {start}-{end} are not whole batches")
         return CachedSegment(data, [b.base_offset for b in infos], [b.position for b in infos], body_end=len(data))
 
-    async def whole(self, m: SegmentManifest) -> CachedSegment:
-        """The whole segment, from the cache or with one GET (then cached)."""
+    async def whole(self, m: SegmentManifest, keep: bool = True) -> CachedSegment:
+        """The whole segment, from the cache or with one GET (then cached, if
+        `keep`: a compaction reads what it is about to replace)."""
         seg = self.cache.get(m.ref)
         if seg is None:
             whole = await (self.store.get(m.key) if m.pos < 0 else self.store.get(m.key, m.pos, m.pos + m.size))
             seg = CachedSegment.from_object(whole)
-            self.cache.put(m.ref, seg)
+            if keep:
+                self.cache.put(m.ref, seg)
         return seg
 
     async def offset_for_timestamp(self, ts: int) -> tuple[int, int]:

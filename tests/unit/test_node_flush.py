@@ -415,6 +415,47 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
     run(go())
 
 
+def test_compaction_reads_its_slices_from_a_cache_that_keeps_them_for_less_than_the_lag(monkeypatch):
+    """A cache written faster than it keeps slices for compaction_lag_ms
+    brings compaction forward, so that compaction finds its slices there: it
+    used to read each one back with a GET of its own."""
+    from kafscale.broker import partitions as registry
+
+    monkeypatch.setattr(registry, "COMPACTION_CHECK_S", 0.02)
+
+    async def go():
+        n = Node()
+        # (no shared objects: merging their segments would put bursts the size of the whole cache in it)
+        n.cfg = Config(node_id=1, namespace="unit", linger_ms=1, node_flush=True, compaction_lag_ms=2000,
+                       shared_compaction=False)
+        await n.meta.create_topic(TOPIC, 8, {})
+        cache = SharedCache(SharedArea(1, 64, 1 << 20))
+        reg = registry.PartitionRegistry(n.cfg, n.store, n.meta, cache, Cluster(n.meta, n.cfg))
+        reg.cluster.desired_owner = lambda _t, _p: n.cfg.node_id  # type: ignore[method-assign]
+        await reg.start(await n.etcd.lease(60))
+        logs = [await reg.partition_log(TOPIC, p) for p in range(8)]
+        read: list[str] = []
+        real_get = n.store.get
+
+        async def get(key: str, start: int | None = None, end: int | None = None) -> bytes:
+            read.append(key)
+            return await real_get(key, start, end)
+
+        n.store.get = get  # type: ignore[method-assign]
+        loop = asyncio.create_task(reg.compaction_loop())
+        start = time.monotonic()
+        while time.monotonic() - start < 3:  # about 300 KiB/s of slices, and more of what is compacted from them
+            await asyncio.gather(*(append(lg, batch(b"x" * 500)) for lg in logs))
+            await asyncio.sleep(0.01)
+        assert cache.keeps_s() * 1000 < n.cfg.compaction_lag_ms, "the cache keeps slices for less than the lag"
+        await n.until(lambda: all(lg.oldest_slice_ms() == 0 for lg in logs))
+        loop.cancel()
+        assert not [k for k in read if "/~node/" in k], "every slice compacted from the cache"
+        await reg.close(drain_s=1)
+
+    run(go())
+
+
 def test_a_compaction_keeps_what_it_read_from_the_cache_while_later_segments_overwrite_it():
     """A slice read from the shared cache is a view of its ring. Compaction
     reads slices one after another and awaits between them (a GET, a turn),
@@ -467,10 +508,11 @@ def test_the_slices_counted_are_always_the_tail_of_the_segments():
         for i in range(3):
             await append(lg, batch(b"a%d" % i))
         assert counted(lg) == walked(lg) and lg._slice_count == 3
-        assert lg.compaction_due(lg.oldest_slice_ms() + n.cfg.compaction_lag_ms)
-        assert not lg.compaction_due(lg.oldest_slice_ms() + n.cfg.compaction_lag_ms - 1)
+        lag = n.cfg.compaction_lag_ms
+        assert lg.compaction_due(lg.oldest_slice_ms() + lag, lag)
+        assert not lg.compaction_due(lg.oldest_slice_ms() + lag - 1, lag)
         await lg.compact()
-        assert counted(lg) == walked(lg) == (0, 0, 0) and not lg.compaction_due(2**62)
+        assert counted(lg) == walked(lg) == (0, 0, 0) and not lg.compaction_due(2**62, lag)
         for i in range(2):
             await append(lg, batch(b"b%d" % i))
         assert counted(lg) == walked(lg) and lg._slice_count == 2

@@ -7,6 +7,7 @@ start before deleting objects."""
 from __future__ import annotations
 
 import asyncio
+import math
 import struct
 
 import pytest
@@ -28,6 +29,10 @@ TOPIC = "orders"
 class DictCache:
     def __init__(self) -> None:
         self.segments: dict[str, object] = {}
+        self.keeps = math.inf  # what keeps_s answers
+
+    def keeps_s(self):
+        return self.keeps
 
     def get(self, key):
         return self.segments.get(key)

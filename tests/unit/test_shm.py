@@ -3,8 +3,12 @@ cross-process part is the same memory and the same atomics)."""
 from __future__ import annotations
 
 import gc
+import math
 import random
 
+import pytest
+
+from kafscale.broker import shm
 from kafscale.broker.shm import CacheReader, RingTracker, SharedArea, SharedCache, ref_position
 from kafscale.storage.cache import CachedSegment
 
@@ -76,3 +80,22 @@ def test_a_cache_entry_is_no_object_of_the_cyclic_collector_and_keeps_every_batc
     assert got is not None and bytes(got.data) == bytes(range(200))
     assert list(got.bases) == [7, 9, 12] and list(got.positions) == [0, 60, 130]
     assert bytes(got.slice_from(10, 1)[0]) == bytes(range(60, 130))
+
+
+def test_the_cache_says_how_long_it_keeps_a_segment_at_the_rate_it_is_written(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(shm.time, "monotonic", lambda: now[0])
+    cache = SharedCache(SharedArea(1, 64, 1000))
+    assert cache.keeps_s() == math.inf, "nothing written: nothing is overwritten"
+    for i in range(6):  # 100 bytes a second
+        cache.put(f"s{i}", segment(i, 100))
+        now[0] += 1
+    now[0] -= 1
+    assert cache.keeps_s() == pytest.approx(cache.size / 100)
+    now[0] += 10  # nothing more written: what is cached stays longer
+    assert cache.keeps_s() == pytest.approx(cache.size / (500 / 15))
+    for i in range(12):  # 200 bytes a second: the rate of the last RATE_WINDOW_S counts, not the slower one before
+        cache.put(f"t{i}", segment(i, 200))
+        now[0] += 1
+    now[0] -= 1
+    assert cache.keeps_s() == pytest.approx(cache.size / 200)
