@@ -11,6 +11,7 @@ ones carry `process` ("log" or the worker slot)."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
 import time
 from collections.abc import Iterator
@@ -88,6 +89,34 @@ class Tally:
     def flush(self, now: float) -> None:
         if self._pending:
             self._child.inc(self._pending)
+            self._pending = 0.0
+        self._due = now + _tally_s
+
+
+class HistogramTally(Tally):
+    """A histogram child observed for every request, its observations held
+    like a Tally's increments: an observe in multiprocess mode is two locked,
+    pid-checked writes (5% of a worker at 6,000-8,000 Produce requests/s).
+    Uses how prometheus_client's Histogram keeps its values (`_upper_bounds`,
+    a value per bucket not yet cumulative in `_buckets`, and `_sum`): the
+    unit tests compare the exposition with plain observes."""
+
+    def __init__(self, child: Any) -> None:
+        super().__init__(child)
+        self._bounds = list(child._upper_bounds)
+        self._counts = [0] * len(self._bounds)
+
+    def observe(self, amount: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, amount)] += 1  # the first bucket with amount <= bound
+        self.inc(amount)
+
+    def flush(self, now: float) -> None:
+        if any(self._counts):
+            self._child._sum.inc(self._pending)
+            for value, n in zip(self._child._buckets, self._counts, strict=True):
+                if n:
+                    value.inc(n)
+            self._counts = [0] * len(self._bounds)
             self._pending = 0.0
         self._due = now + _tally_s
 

@@ -552,7 +552,7 @@ def _request_metrics(api_key: int) -> tuple[Any, Any]:
     """This process's request counter and latency histogram for one API."""
     name = APIS[api_key].name
     return (metrics.Tally(metrics.REQUESTS.labels(metrics.node(), metrics.process(), name)),
-            metrics.REQUEST_SECONDS.labels(metrics.node(), name))
+            metrics.HistogramTally(metrics.REQUEST_SECONDS.labels(metrics.node(), name)))
 
 
 def run_on_sent(callbacks: list[Callable[[], None]]) -> None:

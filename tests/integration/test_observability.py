@@ -55,8 +55,9 @@ def test_metrics_merge_every_process_and_report_group_lag(make_broker, topic_nam
     c.close()
 
     assert get(f"http://{admin}/metrics")[0] == 200
-    # the workers' request and byte counters reach the metrics files within 0.1 s (metrics.Tally), and each
-    # process samples its loop's lag every 0.1 s (the second worker may start after the test's requests)
+    # the workers' request counters, latencies and byte counters reach the metrics files within 0.1 s
+    # (metrics.Tally, HistogramTally), and each process samples its loop's lag every 0.1 s (the second worker
+    # may start after the test's requests)
     scraped: list[dict] = []
 
     def counted() -> bool:
