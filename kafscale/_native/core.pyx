@@ -13,6 +13,7 @@ never requires recomputing it; correcting maxTimestamp (see validate_batches)
 does.
 """
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport INT32_MAX, INT64_MIN, uint8_t, uint32_t, int64_t, uint64_t, int32_t
 from libc.string cimport memcpy
 
@@ -789,3 +790,115 @@ def build_batch(records, int codec=0, int64_t base_offset=0, int64_t base_timest
     cdef uint32_t crc = crc32c(o[21:])
     wr_i32(&o[17], <int32_t>crc)
     return bytes(out)
+
+
+# ----------------------------------------------------------------- Produce requests
+# The one request decoded thousands of times a second (librdkafka sends one per
+# partition batch): decoded here into what the schema codec decodes it into
+# (kafscale.protocol.codec; tests compare the two for every version). Errors
+# are ValueErrors, which the codec turns into DecodeError.
+
+cdef inline Py_ssize_t _need(Py_ssize_t pos, int64_t n, Py_ssize_t end) except -1:
+    if n < 0 or n > end - pos:
+        raise ValueError(f"need {n} bytes at {pos}, only {end - pos} left")
+    return pos + <Py_ssize_t>n
+
+
+cdef int64_t _uvarint(const uint8_t *p, Py_ssize_t *pos, Py_ssize_t end) except? -1:
+    cdef uint64_t v = 0
+    cdef int shift = 0
+    cdef uint8_t b
+    while True:
+        if pos[0] >= end or shift > 63:
+            raise ValueError("malformed unsigned varint")
+        b = p[pos[0]]
+        pos[0] += 1
+        v |= (<uint64_t>(b & 0x7f)) << shift
+        if not (b & 0x80):
+            break
+        shift += 7
+    return <int64_t>(v if v < (<uint64_t>1 << 62) else (<uint64_t>1 << 62))  # too large for any buffer anyway
+
+
+cdef int64_t _length(const uint8_t *p, Py_ssize_t *pos, Py_ssize_t end, bint compact, bint wide) except? -3:
+    """A length or count: compact (unsigned varint + 1) or int32 / int16; negative: null."""
+    cdef int64_t n
+    if compact:
+        return _uvarint(p, pos, end) - 1
+    if wide:
+        pos[0] = _need(pos[0], 4, end)
+        return rd_i32(p + pos[0] - 4)
+    pos[0] = _need(pos[0], 2, end)
+    return rd_i16(p + pos[0] - 2)
+
+
+cdef object _string(const uint8_t *p, Py_ssize_t *pos, Py_ssize_t end, bint compact, bint nullable, str what):
+    cdef int64_t n = _length(p, pos, end, compact, False)
+    cdef Py_ssize_t start = pos[0]
+    if n < 0:
+        if nullable:
+            return None
+        raise ValueError(f"null (negative length) for non-nullable string {what}")
+    pos[0] = _need(start, n, end)
+    return PyUnicode_DecodeUTF8(<const char *>p + start, <Py_ssize_t>n, NULL)
+
+
+cdef int64_t _count(const uint8_t *p, Py_ssize_t *pos, Py_ssize_t end, bint compact, str what) except? -3:
+    cdef int64_t n = _length(p, pos, end, compact, True)
+    if n < 0:
+        raise ValueError(f"null (negative length) for non-nullable array {what}")
+    if n > end - pos[0]:  # each element takes at least one byte
+        raise ValueError(f"array {what} claims {n} elements")
+    return n
+
+
+cdef int _skip_tags(const uint8_t *p, Py_ssize_t *pos, Py_ssize_t end) except -1:
+    """A flexible struct's tagged fields (Produce requests define none: all are skipped)."""
+    cdef int64_t i, n = _uvarint(p, pos, end)
+    for i in range(n):
+        _uvarint(p, pos, end)
+        pos[0] = _need(pos[0], _uvarint(p, pos, end), end)
+    return 0
+
+
+def decode_produce_request(buf, Py_ssize_t pos, int version):
+    """A Produce request body (v3 and later, up to v12) at `pos` of `buf` (a
+    memoryview; records are slices of it): the dict the schema codec
+    decodes, and where the body ends."""
+    cdef const uint8_t[::1] view = buf
+    cdef Py_ssize_t end = view.shape[0]
+    cdef const uint8_t *p = &view[0] if end else NULL
+    cdef bint flex = version >= 9
+    cdef int64_t nt, npart, n, t, i
+    cdef Py_ssize_t start
+    if pos < 0 or pos > end:
+        raise ValueError(f"body at {pos} of {end} bytes")
+    tid = _string(p, &pos, end, flex, True, "transactional_id")
+    pos = _need(pos, 6, end)
+    acks = rd_i16(p + pos - 6)
+    timeout_ms = rd_i32(p + pos - 4)
+    topics = []
+    nt = _count(p, &pos, end, flex, "topic_data")
+    for t in range(nt):
+        name = _string(p, &pos, end, flex, False, "name")
+        parts = []
+        npart = _count(p, &pos, end, flex, "partition_data")
+        for i in range(npart):
+            pos = _need(pos, 4, end)
+            index = rd_i32(p + pos - 4)
+            n = _length(p, &pos, end, flex, True)
+            if n < 0:
+                records = None
+            else:
+                start = pos
+                pos = _need(pos, n, end)
+                records = buf[start:pos]
+            if flex:
+                _skip_tags(p, &pos, end)
+            parts.append({"index": index, "records": records})
+        if flex:
+            _skip_tags(p, &pos, end)
+        topics.append({"name": name, "partition_data": parts})
+    if flex:
+        _skip_tags(p, &pos, end)
+    return {"transactional_id": tid, "acks": acks, "timeout_ms": timeout_ms, "topic_data": topics}, pos

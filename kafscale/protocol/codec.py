@@ -500,6 +500,8 @@ class Message:
 
     fields: list[Field]
     flexible_min: int
+    # a native decoder of the same dicts (buf, pos, version) -> (dict, end), raising ValueError
+    native_decode: Callable[[memoryview, int, int], tuple[dict[str, Any], int]] | None = None
 
     def __post_init__(self) -> None:
         check_schema(self.fields, self.flexible_min)
@@ -509,6 +511,15 @@ class Message:
         return _StructCodec(self.fields, version, version >= self.flexible_min)
 
     def decode(self, buf: memoryview, version: int, pos: int = 0) -> tuple[dict[str, Any], int]:
+        if self.native_decode is not None:
+            try:
+                return self.native_decode(buf, pos, version)
+            except ValueError as exc:
+                raise DecodeError(str(exc)) from None
+        return self.generic_decode(buf, version, pos)
+
+    def generic_decode(self, buf: memoryview, version: int, pos: int = 0) -> tuple[dict[str, Any], int]:
+        """decode by the schema alone (what a native decoder must match)."""
         r = Reader(buf, pos)
         out = self.codec(version).decode(r)
         return out, r.pos
