@@ -395,6 +395,14 @@ class _StructCodec:
             if f.name == "error_code" and obj.get(f.name, 0):
                 raise EncodeError(f"error_code {obj[f.name]} set, but version {self.version} has no error_code here")
 
+    def check_all(self, obj: dict[str, Any]) -> None:
+        """Strict mode's checks of encode for a whole message, without encoding it."""
+        self._check(obj)
+        for name, child in self.children.items():
+            value = obj.get(name)
+            for item in value if isinstance(value, list | tuple) else [value] if isinstance(value, dict) else []:
+                child.check_all(item)
+
     def encode(self, w: Writer, obj: dict[str, Any]) -> None:
         if STRICT:
             self._check(obj)
@@ -500,8 +508,10 @@ class Message:
 
     fields: list[Field]
     flexible_min: int
-    # a native decoder of the same dicts (buf, pos, version) -> (dict, end), raising ValueError
+    # native code for the same dicts: a decoder (buf, pos, version) -> (dict, end), raising ValueError,
+    # and an encoder (dict, version) -> bytes
     native_decode: Callable[[memoryview, int, int], tuple[dict[str, Any], int]] | None = None
+    native_encode: Callable[[dict[str, Any], int], bytes | bytearray] | None = None
 
     def __post_init__(self) -> None:
         check_schema(self.fields, self.flexible_min)
@@ -526,6 +536,17 @@ class Message:
 
     def encode(self, obj: dict[str, Any], version: int, w: Writer | None = None) -> Writer:
         w = w or Writer()
+        if self.native_encode is None:
+            self.codec(version).encode(w, obj)
+            return w
+        if STRICT:
+            self.codec(version).check_all(obj)
+        w.write(self.native_encode(obj, version))
+        return w
+
+    def generic_encode(self, obj: dict[str, Any], version: int) -> Writer:
+        """encode by the schema alone (what a native encoder must match)."""
+        w = Writer()
         self.codec(version).encode(w, obj)
         return w
 

@@ -59,7 +59,9 @@ responses: [
 ]
 throttle_time_ms: int32 1+
 """)
-PRODUCE.request.native_decode = _native.decode_produce_request  # thousands a second: one per partition batch
+# thousands a second (librdkafka sends one per partition batch): decoded and answered in native code
+PRODUCE.request.native_decode = _native.decode_produce_request
+PRODUCE.response.native_encode = _native.encode_produce_response
 
 FETCH = _api(1, "Fetch", (4, 17), 12, """
 cluster_id: string 12+ ? tag=0 default=null
