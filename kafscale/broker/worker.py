@@ -120,7 +120,6 @@ class Worker:
         self._fetch_bytes = metrics.Tally(metrics.FETCH_BYTES.labels(metrics.node(), metrics.process()))
         self.handlers = {
             schemas.API_VERSIONS.key: self.api_versions,
-            schemas.PRODUCE.key: self.produce,
             schemas.FETCH.key: self.fetch,
         }
         self.server: KafkaServer | None = None
@@ -136,7 +135,7 @@ class Worker:
         sasl = SaslSettings(mechanisms, lambda user: self.chan.call(messages.GetUser(user))) if mechanisms else None
         self.server = KafkaServer(self.handlers, host, port, ConnectionLimits.from_config(self.cfg), reuse_port=True,
                                   forward=self.forward, ssl=self.cfg.server_ssl(), sasl=sasl,
-                                  proxy_secret=self.cfg.proxy_secret)
+                                  proxy_secret=self.cfg.proxy_secret, direct={schemas.PRODUCE.key: self.produce})
         await self.server.start()
 
     async def run_until_log_process_exits(self) -> None:
@@ -199,10 +198,11 @@ class Worker:
             raise ProtocolViolation(result.violation)
         return None if result.response is None else [result.response]
 
-    async def produce(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any] | None:
+    def produce(self, hdr: RequestContext, req: dict[str, Any]) -> asyncio.Future[Any] | None:
         """Validate each payload and put it in the ring; the log process does
-        the rest (in the order this connection sent them: the call is queued
-        before this coroutine first yields)."""
+        the rest, in the order this connection sent them: the call is queued
+        as the request is read (a DirectHandler). The future of its response
+        (none for acks=0)."""
         assert self.chan is not None
         if self.chan.closed:
             raise ProtocolViolation("the broker is shutting down")
@@ -214,10 +214,7 @@ class Worker:
         if req["acks"] == 0:
             reply.add_done_callback(lambda f: f.cancelled() or f.exception())
             return None
-        try:
-            return await reply
-        except ChannelClosed:
-            raise ProtocolViolation("the broker is shutting down") from None
+        return reply
 
     def _queue_produce(self, call: messages.ProduceCall) -> asyncio.Future[Any]:
         """A produce call's future reply. The calls a connection makes in one
@@ -247,6 +244,8 @@ class Worker:
 
         def answered(replies: asyncio.Future[list[Any]]) -> None:
             exc = replies.exception()
+            if isinstance(exc, ChannelClosed):
+                exc = ProtocolViolation("the broker is shutting down")
             for i, (_, reply) in enumerate(queued):
                 if reply.done():  # its request was cancelled (the client went away)
                     continue

@@ -1,7 +1,8 @@
-"""The listener's read time limits (KafkaServer with an in-process handler,
-over real sockets): an idle connection is closed, one that sends a frame's
-size and stalls is closed, and connections that keep sending, or wait for an
-answer, are not, however long they last."""
+"""The listener (KafkaServer with in-process handlers, over real sockets):
+its read time limits (an idle connection is closed, one that sends a
+frame's size and stalls is closed, and connections that keep sending, or wait
+for an answer, are not, however long they last), and requests answered by
+direct handlers, in order with the others."""
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,9 @@ from typing import Any
 from kafscale.broker.context import RequestContext
 from kafscale.broker.server import ConnectionLimits, KafkaServer
 from kafscale.protocol.codec import Reader
-from kafscale.protocol.framing import encode_request
-from kafscale.protocol.schemas import METADATA
+from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.framing import decode_response, encode_request
+from kafscale.protocol.schemas import METADATA, PRODUCE
 
 LIMIT_S = 0.4  # both the idle and the read limit
 
@@ -88,3 +90,53 @@ def test_a_connection_waiting_for_an_answer_is_not_idle() -> None:
         assert await asyncio.wait_for(_answer(reader), 10) == 7
 
     _on_a_connection(check, slow_s=3 * LIMIT_S)
+
+
+def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_code() -> None:
+    """A direct handler (a worker's Produce) answers without a task: its
+    responses still follow the order the requests came in, a failure is the
+    client's error code on an open connection, and acks=0 gets no response."""
+    def produce(hdr: RequestContext, req: dict[str, Any]) -> asyncio.Future[dict[str, Any] | None] | None:
+        name = req["topic_data"][0]["name"]
+        if name == "raises":
+            raise RuntimeError("staging failed")
+        if req["acks"] == 0:
+            return None
+        reply: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
+        if name == "fails":
+            reply.set_exception(RuntimeError("the log process failed"))
+        else:
+            reply.set_result({"responses": [{"name": name, "partition_responses": [
+                {"index": 0, "error_code": 0, "base_offset": 5}]}], "throttle_time_ms": 0})
+        return reply
+
+    def request(correlation_id: int, name: str, acks: int = -1) -> bytes:
+        return encode_request(PRODUCE.key, 9, correlation_id, {
+            "transactional_id": None, "acks": acks, "timeout_ms": 1000,
+            "topic_data": [{"name": name, "partition_data": [{"index": 0, "records": b""}]}]})
+
+    async def run() -> None:
+        async def metadata(hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
+            await asyncio.sleep(0.2)  # answered after the produces that follow it are
+            return {"throttle_time_ms": 0, "brokers": [], "cluster_id": "c", "controller_id": -1, "topics": []}
+
+        limits = ConnectionLimits(1 << 20, 1 << 20, 10, read_timeout_s=5, idle_timeout_s=5, write_timeout_s=5)
+        server = KafkaServer({METADATA.key: metadata}, "127.0.0.1", 0, limits, direct={PRODUCE.key: produce})
+        await server.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(_request(1) + request(2, "t") + request(3, "fails") + request(4, "t", acks=0)
+                         + request(5, "raises") + request(6, "t"))
+            answers = []
+            for _ in range(5):
+                (size,) = struct.unpack(">i", await asyncio.wait_for(reader.readexactly(4), 5))
+                answers.append(await reader.readexactly(size))
+            assert [struct.unpack_from(">i", a)[0] for a in answers] == [1, 2, 3, 5, 6]
+            codes = [decode_response(PRODUCE.key, 9, a)[1]["responses"][0]["partition_responses"][0]["error_code"]
+                     for a in answers[1:]]
+            assert codes == [0, ErrorCode.UNKNOWN_SERVER_ERROR, ErrorCode.UNKNOWN_SERVER_ERROR, 0]
+            writer.close()
+        finally:
+            await server.close()
+
+    asyncio.run(run())
