@@ -214,13 +214,17 @@ class SharedCache:
 
     def keeps_s(self) -> float:
         """About how long a segment put now stays before later ones overwrite
-        it, at the rate the cache was written over the last RATE_WINDOW_S
-        (math.inf while nothing is written)."""
+        it: at the rate the cache was written over the last RATE_WINDOW_S, or
+        over the last second or two when that was faster (a load that just
+        began: the window's rate still counts the quiet time before it, and
+        compaction, which this paces, waited too long for the first slices).
+        math.inf while nothing is written."""
         if not self._marks:
             return math.inf
-        since, head = self._marks[0]
-        written = self._head - head
-        return self.size * (time.monotonic() - since) / written if written > 0 else math.inf
+        now = time.monotonic()
+        rate = max((self._head - head) / max(now - since, 1e-3)
+                   for since, head in (self._marks[0], self._marks[max(len(self._marks) - 2, 0)]))
+        return self.size / rate if rate > 0 else math.inf
 
     def ref(self, key: str) -> CacheRef | None:
         """Where `key` is cached, if it has not been overwritten since."""

@@ -55,6 +55,9 @@ __all__ = ["LogError", "PartitionLog"]
 MAX_UPLOADS = 4  # segments of one partition uploading at once
 MAX_UNCOMMITTED = 8  # segments of one partition built and not yet committed (bounds its memory)
 COMPACTION_TURN = 64  # slices a compaction gathers before it lets other work run
+# slices no longer cached that a compaction reads at once: one at a time, a compaction that fell behind read
+# hundreds one GET after another and fell further behind (4 compactions at once: half the store's threads)
+COMPACTION_READS_AT_ONCE = 2
 
 
 # how many of a producer's last batches are remembered for the duplicate check (Kafka: 5)
@@ -352,13 +355,25 @@ class PartitionLog(LogReader):
         if not slices or self.closed:
             return None
         merged = self.to_merge(sum(m.size for m in slices), merge_limit, most_merged) if merge_limit else []
-        parts = []
+        taken = merged + slices
+        parts: list[tuple[bytes, int]] = [(b"", m.base) for m in taken]
+        missed = []
         turns = Turns(COMPACTION_TURN)  # hundreds of cached slices in one go held every acknowledgement
-        for m in merged + slices:
-            whole = await self.whole(m, keep=False)  # from the cache, else one ranged GET
-            # a copy: the next await lets later segments overwrite the cache's bytes of this one
-            parts.append((bytes(memoryview(whole.data)[HEADER_SIZE:whole.body_end]), m.base))
-            await turns.did()
+        for i, m in enumerate(taken):
+            seg = self.cache.get(m.ref)
+            if seg is None:
+                missed.append(i)
+            else:  # a copy: the next await lets later segments overwrite the cache's bytes of this one
+                parts[i] = (bytes(memoryview(seg.data)[HEADER_SIZE:seg.body_end]), m.base)
+                await turns.did()
+        reads = asyncio.Semaphore(COMPACTION_READS_AT_ONCE)
+
+        async def read(i: int) -> None:
+            async with reads:
+                seg = await self.whole(taken[i], keep=False)  # one ranged GET
+            parts[i] = (bytes(memoryview(seg.data)[HEADER_SIZE:seg.body_end]), taken[i].base)
+
+        await asyncio.gather(*(read(i) for i in missed))
         return merged, slices, build_segment(parts, int(time.time() * 1000))
 
     @staticmethod

@@ -491,6 +491,39 @@ def test_a_compaction_keeps_what_it_read_from_the_cache_while_later_segments_ove
     run(go())
 
 
+def test_a_compaction_reads_the_slices_no_longer_cached_a_few_at_a_time():
+    """One GET after another, a compaction that fell behind the cache read
+    hundreds of slices in turn and fell further behind."""
+    from kafscale.storage import partition
+
+    async def go():
+        n = Node()
+        flusher, (lg, _) = await n.start(cache=SharedCache(SharedArea(1, 64, 0)))  # caches nothing
+        for i in range(6):
+            await append(lg, batch(b"v%d" % i))
+        reading, most = [0], [0]
+        real_get = n.store.get
+
+        async def get(key: str, start: int | None = None, end: int | None = None) -> bytes:
+            reading[0] += 1
+            most[0] = max(most[0], reading[0])
+            await asyncio.sleep(0.01)
+            reading[0] -= 1
+            return await real_get(key, start, end)
+
+        n.store.get = get  # type: ignore[method-assign]
+        await lg.compact()
+        assert most[0] == partition.COMPACTION_READS_AT_ONCE
+        [compacted] = lg.segments
+        data = await real_get(compacted.key)
+        records, _ = decode_records(0, data[HEADER_SIZE:len(data) - FOOTER_SIZE], 0)
+        assert [r.value for r in records] == [b"v%d" % i for i in range(6)], "in offset order"
+        await lg.close()
+        await flusher.stop()
+
+    run(go())
+
+
 def test_the_slices_counted_are_always_the_tail_of_the_segments():
     """The compaction check reads the committed slices' count, bytes and
     oldest from counters, not a walk: through appends, a compaction, more

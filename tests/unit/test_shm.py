@@ -99,3 +99,9 @@ def test_the_cache_says_how_long_it_keeps_a_segment_at_the_rate_it_is_written(mo
         now[0] += 1
     now[0] -= 1
     assert cache.keeps_s() == pytest.approx(cache.size / 200)
+    now[0] += 5  # quiet, then 500 bytes a second: the last second's rate counts, not the window's slower one
+    for i in range(3):
+        cache.put(f"u{i}", segment(i, 500))
+        now[0] += 1
+    now[0] -= 1
+    assert cache.keeps_s() == pytest.approx(cache.size / 500)
