@@ -3,7 +3,9 @@
     python -m pytest bench/test_native.py --benchmark-columns=mean,ops
 
 Each case records GB/s in extra_info; zlib.crc32 (CRC-32, not CRC32C) on the
-same bytes is the in-run baseline."""
+same bytes is the in-run baseline. The Produce request and response cases
+take the schema codec on the same message as theirs (one partition of one
+1 KiB record, v9, as librdkafka sends at many partitions)."""
 from __future__ import annotations
 
 import zlib
@@ -11,6 +13,8 @@ import zlib
 import pytest
 
 from kafscale import _native
+from kafscale.protocol.framing import encode_request, encode_response, parse_request_header
+from kafscale.protocol.schemas import PRODUCE
 
 MIB = 1 << 20
 
@@ -38,3 +42,29 @@ def test_validate_compressed_batch(benchmark, codec):
     benchmark(_native.validate_batches, batch)
     plain = sum(len(r[2]) for r in recs)
     benchmark.extra_info["uncompressed GB/s"] = round(plain / benchmark.stats.stats.mean / 1e9, 2)
+
+
+def _produce_request() -> tuple[memoryview, int]:
+    batch = _native.build_batch([(1_700_000_000_000, b"k", b"x" * 1024, [])])
+    body = {"transactional_id": None, "acks": -1, "timeout_ms": 30000,
+            "topic_data": [{"name": "orders", "partition_data": [{"index": 7, "records": batch}]}]}
+    frame = memoryview(encode_request(PRODUCE.key, 9, 42, body, "rdkafka"))[4:]
+    return frame, parse_request_header(frame)[1]
+
+
+@pytest.mark.parametrize("decode", [PRODUCE.request.decode, PRODUCE.request.generic_decode],
+                         ids=["native", "schema_codec_baseline"])
+def test_decode_produce_request(benchmark, decode):
+    frame, at = _produce_request()
+    benchmark(decode, frame, 9, at)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "schema_codec_baseline"])
+def test_encode_produce_response(benchmark, native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(PRODUCE.response, "native_encode", None)
+    hdr = parse_request_header(_produce_request()[0])[0]
+    body = {"responses": [{"name": "orders", "partition_responses": [
+        {"index": 7, "error_code": 0, "base_offset": 1234, "log_append_time_ms": -1, "log_start_offset": 0,
+         "record_errors": [], "error_message": None}]}], "throttle_time_ms": 0}
+    benchmark(encode_response, hdr, body)
