@@ -611,13 +611,18 @@ cdef class _Sink:
         self.data = bytearray(4096)
         self.n = 0
 
-    cdef int put(self, const void *p, Py_ssize_t k) except -1:
+    cdef uint8_t *room(self, Py_ssize_t k) except NULL:
+        """k more bytes at the end, to be written through the pointer returned."""
         cdef Py_ssize_t cap = PyByteArray_GET_SIZE(self.data)
         if self.n + k > cap:
             PyByteArray_Resize(self.data, max(cap * 2, self.n + k))
-        if k:
-            memcpy(PyByteArray_AS_STRING(self.data) + self.n, p, k)
+        cdef uint8_t *at = <uint8_t *>PyByteArray_AS_STRING(self.data) + self.n
         self.n += k
+        return at
+
+    cdef int put(self, const void *p, Py_ssize_t k) except -1:
+        if k:
+            memcpy(self.room(k), p, k)
         return 0
 
     cdef int put_i32(self, Py_ssize_t v) except -1:
@@ -908,93 +913,71 @@ def decode_produce_request(buf, Py_ssize_t pos, int version):
 # Encoded here for the same reason, from the dicts the schema codec encodes
 # (its defaults for the fields a dict lacks; tests compare the two).
 
-cdef class _Out:
-    """A growing buffer written through raw pointers."""
-    cdef bytearray buf
-    cdef Py_ssize_t n
+cdef int _put_i16(_Sink out, int v) except -1:
+    cdef uint8_t *p = out.room(2)
+    p[0] = (v >> 8) & 0xff
+    p[1] = v & 0xff
+    return 0
 
-    def __cinit__(self):
-        self.buf = bytearray(256)
-        self.n = 0
 
-    cdef uint8_t *room(self, Py_ssize_t k) except NULL:
-        cdef Py_ssize_t cap = PyByteArray_GET_SIZE(self.buf)
-        if self.n + k > cap:
-            PyByteArray_Resize(self.buf, max(cap * 2, self.n + k))
-        cdef uint8_t *p = <uint8_t *>PyByteArray_AS_STRING(self.buf) + self.n
-        self.n += k
-        return p
+cdef int _put_uvarint(_Sink out, uint64_t v) except -1:
+    while v >= 0x80:
+        out.put_u8((v & 0x7f) | 0x80)
+        v >>= 7
+    return out.put_u8(<uint8_t>v)
 
-    cdef int i16(self, int v) except -1:
-        cdef uint8_t *p = self.room(2)
-        p[0] = (v >> 8) & 0xff
-        p[1] = v & 0xff
+
+cdef int _put_length(_Sink out, int64_t n, bint compact, bint wide) except -1:
+    """A length or count as _length reads it (-1: null)."""
+    if compact:
+        return _put_uvarint(out, <uint64_t>(n + 1))
+    if wide:
+        wr_i32(out.room(4), <int32_t>n)
         return 0
+    return _put_i16(out, <int>n)
 
-    cdef int uvarint(self, uint64_t v) except -1:
-        while v >= 0x80:
-            self.room(1)[0] = (v & 0x7f) | 0x80
-            v >>= 7
-        self.room(1)[0] = <uint8_t>v
-        return 0
 
-    cdef int length(self, int64_t n, bint compact, bint wide) except -1:
-        if compact:
-            return self.uvarint(<uint64_t>(n + 1))
-        if wide:
-            wr_i32(self.room(4), <int32_t>n)
-            return 0
-        return self.i16(<int>n)
+cdef int _put_string(_Sink out, value, bint compact, bint nullable) except -1:
+    """None is null where the field may be null, else the empty string (as the schema codec writes it)."""
+    if value is None and nullable:
+        return _put_length(out, -1, compact, False)
+    cdef bytes data = b"" if value is None else value.encode()
+    _put_length(out, len(data), compact, False)
+    return out.put(<const char *>data, len(data))
 
-    cdef int string(self, value, bint compact, bint nullable) except -1:
-        if value is None and nullable:
-            return self.length(-1, compact, False)
-        cdef bytes data = b"" if value is None else value.encode()
-        cdef Py_ssize_t k = len(data)
-        self.length(k, compact, False)
-        if k:
-            memcpy(self.room(k), <const char *>data, k)
-        return 0
+
+cdef object _put_array(_Sink out, value, bint compact):
+    """An array's count (None: empty, as the schema codec writes a non-nullable one); its items."""
+    items = () if value is None else value
+    _put_length(out, len(items), compact, True)
+    return items
 
 
 def encode_produce_response(dict body, int version):
     """A Produce response body (v3 and later, up to v12), as bytes."""
-    cdef _Out out = _Out()
+    cdef _Sink out = _Sink()
     cdef bint flex = version >= 9
-    responses = body.get("responses")
-    if responses is None:
-        responses = ()
-    out.length(len(responses), flex, True)
-    for topic in responses:
-        out.string(topic.get("name"), flex, False)
-        parts = topic.get("partition_responses")
-        if parts is None:
-            parts = ()
-        out.length(len(parts), flex, True)
-        for r in parts:
+    for topic in _put_array(out, body.get("responses"), flex):
+        _put_string(out, topic.get("name"), flex, False)
+        for r in _put_array(out, topic.get("partition_responses"), flex):
             wr_i32(out.room(4), r.get("index", 0))
-            out.i16(r.get("error_code", 0))
+            _put_i16(out, r.get("error_code", 0))
             wr_i64(out.room(8), r.get("base_offset", 0))
             wr_i64(out.room(8), r.get("log_append_time_ms", -1))
             if version >= 5:
                 wr_i64(out.room(8), r.get("log_start_offset", -1))
             if version >= 8:
-                errors = r.get("record_errors")
-                if errors is None:
-                    errors = ()
-                out.length(len(errors), flex, True)
-                for e in errors:
+                for e in _put_array(out, r.get("record_errors"), flex):
                     wr_i32(out.room(4), e.get("batch_index", 0))
-                    out.string(e.get("batch_index_error_message"), flex, True)
+                    _put_string(out, e.get("batch_index_error_message"), flex, True)
                     if flex:
-                        out.uvarint(0)
-                out.string(r.get("error_message"), flex, True)
+                        _put_uvarint(out, 0)
+                _put_string(out, r.get("error_message"), flex, True)
             if flex:
-                out.uvarint(0)
+                _put_uvarint(out, 0)
         if flex:
-            out.uvarint(0)
+            _put_uvarint(out, 0)
     wr_i32(out.room(4), body.get("throttle_time_ms", 0))
     if flex:
-        out.uvarint(0)
-    PyByteArray_Resize(out.buf, out.n)
-    return out.buf
+        _put_uvarint(out, 0)
+    return out.take()

@@ -227,12 +227,17 @@ def answer_directly(handler: DirectHandler, hdr: RequestContext, frame: memoryvi
     started = time.perf_counter()
     out: asyncio.Future[list[Any] | None] = asyncio.get_running_loop().create_future()
 
-    def finish(body: asyncio.Future[dict[str, Any] | None] | dict[str, Any] | None) -> None:
-        if out.done():  # cancelled: the connection went away
-            return
+    def counted() -> None:
         count, seconds = _request_metrics(hdr.api_key)
         count.inc()
         seconds.observe(time.perf_counter() - started)
+
+    def finish(body: asyncio.Future[dict[str, Any] | None] | dict[str, Any] | None) -> None:
+        if out.done():  # cancelled: the connection went away
+            if isinstance(body, asyncio.Future) and not body.cancelled():
+                body.exception()  # retrieved: nobody is told
+            return
+        counted()
         try:
             if isinstance(body, asyncio.Future):
                 if body.cancelled():
@@ -248,16 +253,16 @@ def answer_directly(handler: DirectHandler, hdr: RequestContext, frame: memoryvi
 
     try:
         req = _decode(hdr, frame, body_at)
+        try:
+            reply = handler(hdr, req)
+        except ProtocolViolation:
+            raise
+        except Exception as exc:
+            finish(_failed(hdr, req, exc))
+            return out
     except ProtocolViolation as exc:
+        counted()
         out.set_exception(exc)
-        return out
-    try:
-        reply = handler(hdr, req)
-    except ProtocolViolation as exc:
-        out.set_exception(exc)
-        return out
-    except Exception as exc:
-        finish(_failed(hdr, req, exc))
         return out
     if reply is None:
         finish(None)

@@ -66,10 +66,18 @@ class Node:
             await lg.open()
         return flusher, logs
 
-    async def registry(self) -> PartitionRegistry:
+    async def topic_registry(self, partitions: int, cache: SharedCache | None = None,
+                             **cfg: object) -> PartitionRegistry:
+        """A registry (see registry) of a node configured with cfg, after
+        TOPIC is created with `partitions`."""
+        self.cfg = Config(node_id=1, namespace="unit", linger_ms=1, node_flush=True, **cfg)  # type: ignore[arg-type]
+        await self.meta.create_topic(TOPIC, partitions, {})
+        return await self.registry(cache)
+
+    async def registry(self, cache: SharedCache | None = None) -> PartitionRegistry:
         """A partition registry over this node's stores, started on a lease of
         its own, every partition placed on it."""
-        reg = PartitionRegistry(self.cfg, self.store, self.meta, DictCache(), Cluster(self.meta, self.cfg))
+        reg = PartitionRegistry(self.cfg, self.store, self.meta, cache or DictCache(), Cluster(self.meta, self.cfg))
         reg.cluster.desired_owner = lambda _t, _p: self.cfg.node_id  # type: ignore[method-assign]
         await reg.start(await self.etcd.lease(60))
         return reg
@@ -377,11 +385,7 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
 
     async def go():
         n = Node()
-        n.cfg = Config(node_id=1, namespace="unit", linger_ms=1, node_flush=True, compaction_lag_ms=200,
-                       shared_compaction=shared)
-        await n.meta.create_topic(TOPIC, 10, {})
-        reg = registry.PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
-        await reg.start(await n.etcd.lease(60))
+        reg = await n.topic_registry(10, compaction_lag_ms=200, shared_compaction=shared)
         logs = [await reg.partition_log(TOPIC, p) for p in range(10)]
         if shared:  # in one node object: due at once
             await asyncio.gather(*(append(lg, batch(b"x")) for lg in logs))
@@ -425,14 +429,9 @@ def test_compaction_reads_its_slices_from_a_cache_that_keeps_them_for_less_than_
 
     async def go():
         n = Node()
-        # (no shared objects: merging their segments would put bursts the size of the whole cache in it)
-        n.cfg = Config(node_id=1, namespace="unit", linger_ms=1, node_flush=True, compaction_lag_ms=2000,
-                       shared_compaction=False)
-        await n.meta.create_topic(TOPIC, 8, {})
         cache = SharedCache(SharedArea(1, 64, 1 << 20))
-        reg = registry.PartitionRegistry(n.cfg, n.store, n.meta, cache, Cluster(n.meta, n.cfg))
-        reg.cluster.desired_owner = lambda _t, _p: n.cfg.node_id  # type: ignore[method-assign]
-        await reg.start(await n.etcd.lease(60))
+        # (no shared objects: merging their segments would put bursts the size of the whole cache in it)
+        reg = await n.topic_registry(8, cache, compaction_lag_ms=2000, shared_compaction=False)
         logs = [await reg.partition_log(TOPIC, p) for p in range(8)]
         read: list[str] = []
         real_get = n.store.get
