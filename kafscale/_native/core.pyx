@@ -13,6 +13,7 @@ never requires recomputing it; correcting maxTimestamp (see validate_batches)
 does.
 """
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport INT32_MAX, INT64_MIN, uint8_t, uint32_t, int64_t, uint64_t, int32_t
 from libc.string cimport memcpy
@@ -607,8 +608,8 @@ cdef class _Sink:
     cdef bytearray data
     cdef Py_ssize_t n
 
-    def __cinit__(self):
-        self.data = bytearray(4096)
+    def __cinit__(self, Py_ssize_t capacity=4096):
+        self.data = bytearray(capacity)
         self.n = 0
 
     cdef uint8_t *room(self, Py_ssize_t k) except NULL:
@@ -636,7 +637,7 @@ cdef class _Sink:
         return self.put(&v, 1)
 
     cdef bytes take(self):
-        return bytes(self.data[:self.n])
+        return PyBytes_FromStringAndSize(PyByteArray_AS_STRING(self.data), self.n)
 
 
 def decode_columns(const uint8_t[::1] buf, list batches, int64_t start, int64_t end):
@@ -955,7 +956,7 @@ cdef object _put_array(_Sink out, value, bint compact):
 
 def encode_produce_response(dict body, int version):
     """A Produce response body (v3 and later, up to v12), as bytes."""
-    cdef _Sink out = _Sink()
+    cdef _Sink out = _Sink(256)
     cdef bint flex = version >= 9
     for topic in _put_array(out, body.get("responses"), flex):
         _put_string(out, topic.get("name"), flex, False)
