@@ -473,7 +473,8 @@ class PartitionRegistry:
         started together, those whose segments stay small share objects
         (kafscale.storage.shared): one PUT and one transaction for up to
         SHARED_PARTITIONS of them. The lag is shorter while the cache keeps
-        slices for less than three times compaction_lag_ms (compaction_lag_ms)."""
+        slices for less than three times the configured one (the method
+        compaction_lag_ms)."""
         limit = COMPACTION_MEMORY_SEGMENTS * self.cfg.segment_bytes
         free = [limit]
         freed = asyncio.Condition()
