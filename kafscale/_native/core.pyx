@@ -125,8 +125,13 @@ cdef inline void wr_i32(uint8_t *p, int32_t value) noexcept nogil:
     p[3] = v & 0xff
 
 
-cdef inline Py_ssize_t rd_varlong(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, int64_t *out) noexcept nogil:
-    """Zig-zag varint; returns the new position or -1 when malformed."""
+cdef inline void wr_i16(uint8_t *p, int value) noexcept nogil:
+    p[0] = (value >> 8) & 0xff
+    p[1] = value & 0xff
+
+
+cdef inline Py_ssize_t rd_uvarint(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, uint64_t *out) noexcept nogil:
+    """Unsigned varint; returns the new position or -1 when malformed."""
     cdef uint64_t v = 0
     cdef int shift = 0
     cdef uint8_t b
@@ -139,7 +144,16 @@ cdef inline Py_ssize_t rd_varlong(const uint8_t *p, Py_ssize_t pos, Py_ssize_t e
         if not (b & 0x80):
             break
         shift += 7
-    out[0] = <int64_t>(v >> 1) ^ -(<int64_t>(v & 1))
+    out[0] = v
+    return pos
+
+
+cdef inline Py_ssize_t rd_varlong(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, int64_t *out) noexcept nogil:
+    """Zig-zag varint; returns the new position or -1 when malformed."""
+    cdef uint64_t v
+    pos = rd_uvarint(p, pos, end, &v)
+    if pos >= 0:
+        out[0] = <int64_t>(v >> 1) ^ -(<int64_t>(v & 1))
     return pos
 
 
@@ -811,18 +825,10 @@ cdef inline Py_ssize_t _need(Py_ssize_t pos, int64_t n, Py_ssize_t end) except -
 
 
 cdef int64_t _uvarint(const uint8_t *p, Py_ssize_t *pos, Py_ssize_t end) except? -1:
-    cdef uint64_t v = 0
-    cdef int shift = 0
-    cdef uint8_t b
-    while True:
-        if pos[0] >= end or shift > 63:
-            raise ValueError("malformed unsigned varint")
-        b = p[pos[0]]
-        pos[0] += 1
-        v |= (<uint64_t>(b & 0x7f)) << shift
-        if not (b & 0x80):
-            break
-        shift += 7
+    cdef uint64_t v
+    pos[0] = rd_uvarint(p, pos[0], end, &v)
+    if pos[0] < 0:
+        raise ValueError("malformed unsigned varint")
     return <int64_t>(v if v < (<uint64_t>1 << 62) else (<uint64_t>1 << 62))  # too large for any buffer anyway
 
 
@@ -914,13 +920,6 @@ def decode_produce_request(buf, Py_ssize_t pos, int version):
 # Encoded here for the same reason, from the dicts the schema codec encodes
 # (its defaults for the fields a dict lacks; tests compare the two).
 
-cdef int _put_i16(_Sink out, int v) except -1:
-    cdef uint8_t *p = out.room(2)
-    p[0] = (v >> 8) & 0xff
-    p[1] = v & 0xff
-    return 0
-
-
 cdef int _put_uvarint(_Sink out, uint64_t v) except -1:
     while v >= 0x80:
         out.put_u8((v & 0x7f) | 0x80)
@@ -935,7 +934,8 @@ cdef int _put_length(_Sink out, int64_t n, bint compact, bint wide) except -1:
     if wide:
         wr_i32(out.room(4), <int32_t>n)
         return 0
-    return _put_i16(out, <int>n)
+    wr_i16(out.room(2), <int>n)
+    return 0
 
 
 cdef int _put_string(_Sink out, value, bint compact, bint nullable) except -1:
@@ -962,7 +962,7 @@ def encode_produce_response(dict body, int version):
         _put_string(out, topic.get("name"), flex, False)
         for r in _put_array(out, topic.get("partition_responses"), flex):
             wr_i32(out.room(4), r.get("index", 0))
-            _put_i16(out, r.get("error_code", 0))
+            wr_i16(out.room(2), r.get("error_code", 0))
             wr_i64(out.room(8), r.get("base_offset", 0))
             wr_i64(out.room(8), r.get("log_append_time_ms", -1))
             if version >= 5:

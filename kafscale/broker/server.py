@@ -228,9 +228,7 @@ def answer_directly(handler: DirectHandler, hdr: RequestContext, frame: memoryvi
     out: asyncio.Future[list[Any] | None] = asyncio.get_running_loop().create_future()
 
     def counted() -> None:
-        count, seconds = _request_metrics(hdr.api_key)
-        count.inc()
-        seconds.observe(time.perf_counter() - started)
+        _count_request(hdr.api_key, started)
 
     def finish(body: asyncio.Future[dict[str, Any] | None] | dict[str, Any] | None) -> None:
         if out.done():  # cancelled: the connection went away
@@ -454,9 +452,7 @@ class KafkaServer:
         try:
             return await self._dispatch(hdr, frame, body_at)
         finally:
-            count, seconds = _request_metrics(hdr.api_key)
-            count.inc()
-            seconds.observe(time.perf_counter() - t)
+            _count_request(hdr.api_key, t)
 
     async def _dispatch(self, hdr: RequestContext, frame: memoryview, body_at: int) -> list[Any] | None:
         ON_SENT.set(hdr.on_sent)
@@ -628,6 +624,13 @@ def _request_metrics(api_key: int) -> tuple[Any, Any]:
     name = APIS[api_key].name
     return (metrics.Tally(metrics.REQUESTS.labels(metrics.node(), metrics.process(), name)),
             metrics.HistogramTally(metrics.REQUEST_SECONDS.labels(metrics.node(), name)))
+
+
+def _count_request(api_key: int, started: float) -> None:
+    """Count an answered request and the time since it started (perf_counter)."""
+    count, seconds = _request_metrics(api_key)
+    count.inc()
+    seconds.observe(time.perf_counter() - started)
 
 
 def run_on_sent(callbacks: list[Callable[[], None]]) -> None:

@@ -357,21 +357,25 @@ class PartitionLog(LogReader):
         merged = self.to_merge(sum(m.size for m in slices), merge_limit, most_merged) if merge_limit else []
         taken = merged + slices
         parts: list[tuple[bytes, int]] = [(b"", m.base) for m in taken]
+
+        def keep(i: int, seg: CachedSegment) -> None:
+            """A copy of its batches: the next await lets later segments overwrite the cache's bytes of it."""
+            parts[i] = (bytes(memoryview(seg.data)[HEADER_SIZE:seg.body_end]), taken[i].base)
+
         missed = []
         turns = Turns(COMPACTION_TURN)  # hundreds of cached slices in one go held every acknowledgement
         for i, m in enumerate(taken):
             seg = self.cache.get(m.ref)
             if seg is None:
                 missed.append(i)
-            else:  # a copy: the next await lets later segments overwrite the cache's bytes of this one
-                parts[i] = (bytes(memoryview(seg.data)[HEADER_SIZE:seg.body_end]), m.base)
+            else:
+                keep(i, seg)
                 await turns.did()
         reads = asyncio.Semaphore(COMPACTION_READS_AT_ONCE)
 
         async def read(i: int) -> None:
             async with reads:
-                seg = await self.whole(taken[i], keep=False)  # one ranged GET
-            parts[i] = (bytes(memoryview(seg.data)[HEADER_SIZE:seg.body_end]), taken[i].base)
+                keep(i, await self.whole(taken[i], keep=False))  # one ranged GET
 
         await asyncio.gather(*(read(i) for i in missed))
         return merged, slices, build_segment(parts, int(time.time() * 1000))
