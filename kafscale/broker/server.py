@@ -83,10 +83,14 @@ class ByteBudget:
                 fut.set_result(None)
 
 Handler = Callable[[RequestContext, dict[str, Any]], Awaitable[dict[str, Any] | None]]
-# Answers a request without a task of its own: called as the request is read, it returns the future
-# of the response body (None: no response) or raises. A worker's Produce is one: thousands a second
-# (one per partition batch), a task each cost a fifth of the worker's time per request.
-DirectHandler = Callable[[RequestContext, dict[str, Any]], "asyncio.Future[dict[str, Any] | None] | None"]
+# How a DirectHandler answers: called once with the response body (None: no response) or the exception
+# the request failed with.
+Respond = Callable[["dict[str, Any] | BaseException | None"], None]
+# Answers a request without a task of its own: called as the request is read, it calls respond (then or
+# later) or raises. A worker's Produce is one: thousands a second (one per partition batch), a task each
+# cost a fifth of the worker's time per request, and a future each between the handler and the framing
+# another 7% (bench/README.md, session 33).
+DirectHandler = Callable[[RequestContext, dict[str, Any], Respond], None]
 # Answers a request this process has no handler for (a worker asks its log process).
 Forward = Callable[[RequestContext, memoryview], Awaitable[list[Any] | None]]
 # The on_sent list of the request being handled (see RequestContext.on_sent).
@@ -227,45 +231,31 @@ def answer_directly(handler: DirectHandler, hdr: RequestContext, frame: memoryvi
     started = time.perf_counter()
     out: asyncio.Future[list[Any] | None] = asyncio.get_running_loop().create_future()
 
-    def counted() -> None:
-        _count_request(hdr.api_key, started)
-
-    def finish(body: asyncio.Future[dict[str, Any] | None] | dict[str, Any] | None) -> None:
+    def respond(body: dict[str, Any] | BaseException | None) -> None:
         if out.done():  # cancelled: the connection went away
-            if isinstance(body, asyncio.Future) and not body.cancelled():
-                body.exception()  # retrieved: nobody is told
             return
-        counted()
+        _count_request(hdr.api_key, started)
         try:
-            if isinstance(body, asyncio.Future):
-                if body.cancelled():
-                    out.cancel()
-                    return
-                exc = body.exception()
-                if isinstance(exc, ProtocolViolation):
-                    raise exc
-                body = body.result() if exc is None else _failed(hdr, req, exc)  # type: ignore[arg-type]
+            if isinstance(body, BaseException):
+                if isinstance(body, ProtocolViolation) or not isinstance(body, Exception):
+                    raise body
+                body = _failed(hdr, req, body)
             out.set_result(_framed(hdr, req, body))
-        except Exception as exc:  # as from a _handle task: logged, the connection closed
+        except BaseException as exc:  # as from a _handle task: logged, the connection closed
             out.set_exception(exc)
 
     try:
         req = _decode(hdr, frame, body_at)
-        try:
-            reply = handler(hdr, req)
-        except ProtocolViolation:
-            raise
-        except Exception as exc:
-            finish(_failed(hdr, req, exc))
-            return out
     except ProtocolViolation as exc:
-        counted()
+        _count_request(hdr.api_key, started)
         out.set_exception(exc)
         return out
-    if reply is None:
-        finish(None)
-    else:
-        reply.add_done_callback(finish)
+    try:
+        handler(hdr, req, respond)
+    except ProtocolViolation:
+        raise
+    except Exception as exc:
+        respond(exc)
     return out
 
 
@@ -573,7 +563,8 @@ class KafkaServer:
                 else:
                     await self._flush(writer, ready)
                     await self._write(writer, chunks)
-                run_on_sent(hdr.on_sent)
+                if hdr.on_sent:
+                    run_on_sent(hdr.on_sent)
                 current = None
                 if len(ready) >= COALESCE_BYTES:
                     await self._flush(writer, ready)

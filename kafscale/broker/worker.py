@@ -23,6 +23,7 @@ from kafscale.broker.server import (
     ConnectionLimits,
     KafkaServer,
     ProtocolViolation,
+    Respond,
     SaslSettings,
     run_on_sent,
 )
@@ -39,6 +40,10 @@ from kafscale.storage.reader import LogError, LogReader, ReadBudget
 log = logging.getLogger(__name__)
 
 RING_FULL = "the broker's produce buffer is full (S3 is slow or unavailable); retry"
+
+
+def _unanswered(_result: Any) -> None:
+    """The reply to an acks=0 produce: nobody waits for it."""
 
 
 class _ViewCache:
@@ -114,7 +119,7 @@ class Worker:
         self._opening = 0  # views being opened: their events may arrive before the view exists
         self._early: list[messages.PartitionChanged] = []
         # produce calls of each client connection not sent yet, with their replies
-        self._produces: dict[int, list[tuple[messages.ProduceCall, asyncio.Future[Any]]]] = {}
+        self._produces: dict[int, list[tuple[messages.ProduceCall, Respond]]] = {}
         # this process's children of the byte counters (a labels() lookup per request cost 4% of a worker)
         self._produce_bytes = metrics.Tally(metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process()))
         self._fetch_bytes = metrics.Tally(metrics.FETCH_BYTES.labels(metrics.node(), metrics.process()))
@@ -198,37 +203,39 @@ class Worker:
             raise ProtocolViolation(result.violation)
         return None if result.response is None else [result.response]
 
-    def produce(self, hdr: RequestContext, req: dict[str, Any]) -> asyncio.Future[Any] | None:
+    def produce(self, hdr: RequestContext, req: dict[str, Any], respond: Respond) -> None:
         """Validate each payload and put it in the ring; the log process does
         the rest, in the order this connection sent them: the call is queued
-        as the request is read (a DirectHandler). The future of its response
-        (none for acks=0)."""
+        as the request is read (a DirectHandler). acks=0 is answered (with no
+        response) at once."""
         assert self.chan is not None
         if self.chan.closed:
             raise ProtocolViolation("the broker is shutting down")
-        topics = tuple((td["name"], tuple((pd["index"], self._stage(pd["records"])) for pd in td["partition_data"]))
-                       for td in req["topic_data"])
+        topics = []
+        for td in req["topic_data"]:
+            parts = []
+            for pd in td["partition_data"]:
+                parts.append((pd["index"], self._stage(pd["records"])))
+            topics.append((td["name"], tuple(parts)))
         call: messages.ProduceCall = (SESSION.get().conn, hdr.api_version, hdr.client_id, hdr.client_host,
-                                      hdr.principal, req["acks"], req["timeout_ms"], req["transactional_id"], topics)
-        reply = self._queue_produce(call)
+                                      hdr.principal, req["acks"], req["timeout_ms"], req["transactional_id"],
+                                      tuple(topics))
         if req["acks"] == 0:
-            reply.add_done_callback(lambda f: f.cancelled() or f.exception())
-            return None
-        return reply
+            respond(None)
+            respond = _unanswered
+        self._queue_produce(call, respond)
 
-    def _queue_produce(self, call: messages.ProduceCall) -> asyncio.Future[Any]:
-        """A produce call's future reply. The calls a connection makes in one
-        pass of the event loop go to the log process as one: librdkafka sends
-        a Produce request per partition, ten and more at once, and a call
-        each cost the log process a task, a wait and a reply each."""
-        loop = asyncio.get_running_loop()
-        reply: asyncio.Future[Any] = loop.create_future()
+    def _queue_produce(self, call: messages.ProduceCall, respond: Respond) -> None:
+        """Queue a produce call, answered through respond. The calls a
+        connection makes in one pass of the event loop go to the log process
+        as one: librdkafka sends a Produce request per partition, ten and more
+        at once, and a call each cost the log process a task, a wait and a
+        reply each."""
         queued = self._produces.get(call[0])
         if queued is None:
             queued = self._produces[call[0]] = []
-            loop.call_soon(self._send_produces, call[0])
-        queued.append((call, reply))
-        return reply
+            asyncio.get_running_loop().call_soon(self._send_produces, call[0])
+        queued.append((call, respond))
 
     def _send_produces(self, conn: int) -> None:
         """Send a connection's queued produce calls as one; its replies (a list) answer each."""
@@ -246,16 +253,9 @@ class Worker:
             exc = replies.exception()
             if isinstance(exc, ChannelClosed):
                 exc = ProtocolViolation("the broker is shutting down")
-            for i, (_, reply) in enumerate(queued):
-                if reply.done():  # its request was cancelled (the client went away)
-                    continue
-                result = exc or replies.result()[i]
-                if isinstance(result, messages.ProduceFailed):
-                    reply.set_exception(RemoteError(result.message))
-                elif isinstance(result, BaseException):
-                    reply.set_exception(result)
-                else:
-                    reply.set_result(result)
+            results = [exc] * len(queued) if exc is not None else replies.result()
+            for (_, respond), result in zip(queued, results, strict=True):
+                respond(RemoteError(result.message) if isinstance(result, messages.ProduceFailed) else result)
 
         replies.add_done_callback(answered)
 

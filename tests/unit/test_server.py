@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kafscale.broker.context import RequestContext
-from kafscale.broker.server import ConnectionLimits, KafkaServer
+from kafscale.broker.server import ConnectionLimits, KafkaServer, ProtocolViolation, Respond
 from kafscale.protocol.codec import Reader
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import decode_response, encode_request
@@ -95,20 +95,21 @@ def test_a_connection_waiting_for_an_answer_is_not_idle() -> None:
 def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_code() -> None:
     """A direct handler (a worker's Produce) answers without a task: its
     responses still follow the order the requests came in, a failure is the
-    client's error code on an open connection, and acks=0 gets no response."""
-    def produce(hdr: RequestContext, req: dict[str, Any]) -> asyncio.Future[dict[str, Any] | None] | None:
+    client's error code on an open connection, acks=0 gets no response, and
+    a protocol violation closes the connection."""
+    def produce(hdr: RequestContext, req: dict[str, Any], respond: Respond) -> None:
         name = req["topic_data"][0]["name"]
         if name == "raises":
             raise RuntimeError("staging failed")
         if req["acks"] == 0:
-            return None
-        reply: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
-        if name == "fails":
-            reply.set_exception(RuntimeError("the log process failed"))
+            respond(None)
+        elif name == "fails":
+            asyncio.get_running_loop().call_soon(respond, RuntimeError("the log process failed"))
+        elif name == "closing":
+            asyncio.get_running_loop().call_soon(respond, ProtocolViolation("the broker is shutting down"))
         else:
-            reply.set_result({"responses": [{"name": name, "partition_responses": [
+            respond({"responses": [{"name": name, "partition_responses": [
                 {"index": 0, "error_code": 0, "base_offset": 5}]}], "throttle_time_ms": 0})
-        return reply
 
     def request(correlation_id: int, name: str, acks: int = -1) -> bytes:
         return encode_request(PRODUCE.key, 9, correlation_id, {
@@ -126,7 +127,7 @@ def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_cod
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             writer.write(_request(1) + request(2, "t") + request(3, "fails") + request(4, "t", acks=0)
-                         + request(5, "raises") + request(6, "t"))
+                         + request(5, "raises") + request(6, "t") + request(7, "closing"))
             answers = []
             for _ in range(5):
                 (size,) = struct.unpack(">i", await asyncio.wait_for(reader.readexactly(4), 5))
@@ -135,6 +136,7 @@ def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_cod
             codes = [decode_response(PRODUCE.key, 9, a)[1]["responses"][0]["partition_responses"][0]["error_code"]
                      for a in answers[1:]]
             assert codes == [0, ErrorCode.UNKNOWN_SERVER_ERROR, ErrorCode.UNKNOWN_SERVER_ERROR, 0]
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # a violation closes the connection
             writer.close()
         finally:
             await server.close()
