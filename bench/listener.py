@@ -1,0 +1,140 @@
+"""The listener's CPU per Produce request, without S3, etcd or a log process.
+
+A worker's Kafka listener (`KafkaServer` with a direct Produce handler that
+validates and copies each payload, as a worker stages it, and answers every
+5 ms in one go, as a node flush acknowledges) in a process of its own, with
+the garbage collector set as a broker sets it. A client sends one-partition
+Produce requests of one 1 KiB record (as librdkafka does with many
+partitions: a request per partition batch), 300 in flight, over one
+connection. Printed: the server's CPU time (user + system, getrusage) per
+request over --requests requests after as many to warm up, for --runs runs.
+
+    python -m bench.listener --requests 40000 --runs 5
+
+The figure is the listener's own cost per request, the part of a worker's
+cost that does not depend on the log process; compare commits by running
+this at each, alternately, on the same machine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import multiprocessing as mp
+import resource
+import socket
+import statistics
+import tempfile
+from typing import Any
+
+from kafscale import _native, metrics
+from kafscale.broker.context import RequestContext
+from kafscale.broker.server import ConnectionLimits, KafkaServer, Respond
+from kafscale.broker.supervisor import GC_THRESHOLDS
+from kafscale.config import Config
+from kafscale.protocol import schemas
+from kafscale.protocol.framing import encode_request
+
+IN_FLIGHT = 300
+PARTITIONS = 100
+ACK_EVERY_S = 0.005
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def serve(ports: mp.Queue, marks: mp.Queue, readings: mp.Queue) -> None:
+    """Run the listener until told to stop, answering each mark with the process's CPU seconds."""
+    metrics.init_process(1, "worker-0", tempfile.mkdtemp(prefix="kafscale-bench-metrics-"))
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        staged = bytearray(1 << 20)
+        unanswered: list[tuple[Respond, dict[str, Any]]] = []
+
+        def acknowledge() -> None:
+            answers, unanswered[:] = list(unanswered), []
+            for respond, body in answers:
+                respond(body)
+
+        def produce(hdr: RequestContext, req: dict[str, Any], respond: Respond) -> None:
+            for td in req["topic_data"]:
+                for pd in td["partition_data"]:
+                    payload = pd["records"]
+                    _native.validate_batches(payload, True, 1 << 20)
+                    staged[:len(payload)] = payload
+            if not unanswered:
+                loop.call_later(ACK_EVERY_S, acknowledge)
+            unanswered.append((respond, {"throttle_time_ms": 0, "responses": [
+                {"name": td["name"], "partition_responses": [
+                    {"index": pd["index"], "error_code": 0, "base_offset": 1, "log_append_time_ms": -1,
+                     "log_start_offset": 0, "record_errors": [], "error_message": None}
+                    for pd in td["partition_data"]]} for td in req["topic_data"]]}))
+
+        server = KafkaServer({}, "127.0.0.1", 0, ConnectionLimits.from_config(Config()),
+                             direct={schemas.PRODUCE.key: produce})
+        await server.start()
+        ports.put(server.port)
+        while await loop.run_in_executor(None, marks.get) != "stop":
+            readings.put(_cpu_s())
+        await server.close()
+
+    asyncio.run(main())
+
+
+def send(port: int, requests: int) -> None:
+    """Send `requests` Produce requests, IN_FLIGHT at most unanswered, and read every response."""
+    batch = _native.build_batch([(1_700_000_000_000, b"k", b"x" * 1024, [])])
+    frames = b"".join(bytes(encode_request(schemas.PRODUCE.key, 9, p, {
+        "transactional_id": None, "acks": -1, "timeout_ms": 30000,
+        "topic_data": [{"name": "bench", "partition_data": [{"index": p, "records": batch}]}]}, "bench"))
+        for p in range(PARTITIONS))
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sent = answered = received = 0
+        response_size = 0
+        while answered < requests:
+            while sent < requests and sent - answered < IN_FLIGHT:
+                s.sendall(frames)
+                sent += PARTITIONS
+            data = s.recv(1 << 20)
+            if not data:
+                raise ConnectionError("the listener closed the connection")
+            response_size = response_size or 4 + int.from_bytes(data[:4], "big")  # all responses are this long
+            received += len(data)
+            answered = received // response_size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=40_000)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    per_request = []
+    for _ in range(args.runs):
+        ports: mp.Queue = mp.Queue()
+        marks: mp.Queue = mp.Queue()
+        readings: mp.Queue = mp.Queue()
+        server = mp.Process(target=serve, args=(ports, marks, readings))
+        server.start()
+        port = ports.get()
+        send(port, args.requests)  # warm-up
+        marks.put("start")
+        start = readings.get()
+        send(port, args.requests)
+        marks.put("end")
+        end = readings.get()
+        marks.put("stop")
+        server.join()
+        per_request.append((end - start) / args.requests * 1e6)
+        print(f"listener CPU per Produce request: {per_request[-1]:.1f} µs")
+    print(f"median of {args.runs} runs: {statistics.median(per_request):.1f} µs")
+
+
+if __name__ == "__main__":
+    main()
