@@ -2,8 +2,8 @@
 owns, committed in one etcd transaction whatever the partition count.
 
 The NodeFlusher gathers the queued batches of all its partition logs for
-`linger_ms` (sooner once `flush_bytes` are queued; at once after a quiet
-spell, see Linger), builds each partition's
+`linger_ms` (sooner once `flush_bytes` are queued or no object is under
+way, see Linger), builds each partition's
 part as a complete .kfs segment (a *slice*), writes the slices back to back
 with a directory after them as one node object (If-None-Match), and commits
 the directory under `wal/{fence}/{seq}` in one etcd transaction that compares
@@ -25,7 +25,6 @@ import functools
 import itertools
 import json
 import logging
-import math
 import struct
 import time
 import uuid
@@ -199,22 +198,28 @@ async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callab
 
 
 class Linger:
-    """When a flush loop cuts an object (or a segment) of its queued batches.
-    While batches flow, once the oldest has waited linger_ms, so that the ones
-    behind it go along; after a quiet spell (nothing cut before is uploading or
-    committing, and nothing was cut for linger_ms before the batch came) at
-    once: it would wait alone, on top of the client's own linger. Cuts stay
-    linger_ms apart either way. Cutting every linger_ms from the last cut
-    instead wrote about a fifth more objects under steady load at 100 and 1,000
-    partitions, and their acknowledgements' p99 rose by a quarter; going at
-    once after a gap of linger_ms even with objects under way cut the first
-    batch of librdkafka's bursts alone (bench/README.md, session 30)."""
+    """When a flush loop cuts an object (or a segment) of its queued batches:
+    at once while nothing cut before is uploading or committing; behind an
+    object under way, once the oldest queued batch has waited linger_ms or
+    nothing is under way any more, whichever comes first, so that the
+    batches behind it go along (group commit). With nothing under way there
+    is nothing to wait for but more batches, and a client that waits for each
+    acknowledgement before it sends again (a lone record, a synchronous
+    producer) sends none meanwhile: waiting added the broker's linger to the
+    client's own. Cuts made at once go one at a time (the next waits for the
+    object before it unless linger_ms passed), so they add at most one
+    object per upload and commit round trip. Cutting every linger_ms from the
+    last cut instead wrote about a fifth more objects under steady load at
+    100 and 1,000 partitions, and their acknowledgements' p99 rose by a
+    quarter; going at once after a gap of linger_ms even with objects under
+    way cut the first batch of librdkafka's bursts alone (bench/README.md,
+    session 30)."""
 
-    __slots__ = ("cut_at", "first_at")
+    __slots__ = ("_due", "first_at")
 
     def __init__(self) -> None:
         self.first_at = 0.0  # time.monotonic() when the oldest queued batch was queued
-        self.cut_at = -math.inf  # time.monotonic() of the last cut
+        self._due: asyncio.Event | None = None  # set when a wait under way should end
 
     def queued(self) -> None:
         """A batch came to an empty queue."""
@@ -222,15 +227,25 @@ class Linger:
 
     def cut(self) -> None:
         """The queued batches were taken (what is left counts from now)."""
-        self.cut_at = self.first_at = time.monotonic()
+        self.first_at = time.monotonic()
 
-    def wait(self, linger_ms: int, idle: bool) -> float:
-        """Seconds to wait before the next cut; idle: nothing cut before is
-        uploading or committing."""
-        linger_s = linger_ms / 1000
-        if idle and self.first_at - self.cut_at >= linger_s:
-            return 0.0
-        return self.first_at + linger_s - time.monotonic()
+    async def wait(self, linger_ms: int, idle: bool) -> None:
+        """Until the next cut is due; idle: nothing cut before is uploading or committing."""
+        left = self.first_at + linger_ms / 1000 - time.monotonic()
+        if idle or left <= 0:
+            return
+        due = self._due = asyncio.Event()
+        timer = asyncio.get_running_loop().call_later(left, due.set)
+        try:
+            await due.wait()
+        finally:
+            timer.cancel()
+            self._due = None
+
+    def drained(self) -> None:
+        """Nothing cut before is uploading or committing any more: a wait under way ends."""
+        if self._due is not None:
+            self._due.set()
 
 
 class Turns:
@@ -375,9 +390,7 @@ class NodeFlusher:
         while True:
             await self._wake.wait()
             if self.queued_bytes < self.cfg.flush_bytes:
-                wait = self._linger.wait(self.cfg.linger_ms, not self._flushes)
-                if wait > 0:
-                    await asyncio.sleep(wait)
+                await self._linger.wait(self.cfg.linger_ms, not self._flushes)
             await self._uncommitted.acquire()
             await self._uploads.acquire()
             taken = self._take()
@@ -393,6 +406,8 @@ class NodeFlusher:
     def _done(self, fence: str, task: asyncio.Task[None]) -> None:
         logs = self._flushes.pop(task)
         self._uncommitted.release()
+        if not self._flushes:
+            self._linger.drained()
         exc = None if task.cancelled() else task.exception()
         if exc is not None:  # fenced (or a bug): what it held never commits, nor anything queued after it
             log.log(logging.WARNING if isinstance(exc, Fenced) else logging.ERROR, "node flush failed: %r", exc,

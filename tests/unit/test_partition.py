@@ -112,16 +112,31 @@ def test_acknowledged_only_once_in_s3_and_committed_in_etcd():
     run(go())
 
 
-def test_a_batch_after_a_quiet_spell_goes_at_once_and_the_next_ones_gather_for_the_linger():
-    """A batch queued while nothing was cut for linger_ms goes at once; one
-    queued right after it gathers for linger_ms."""
+def test_a_batch_goes_at_once_with_nothing_under_way_and_behind_a_segment_until_it_commits():
+    """With no segment uploading or committing, a batch goes at once, also
+    right after the one before; one queued behind a segment under way waits
+    until that segment has committed, not the whole linger_ms."""
     async def go():
         c = Cluster()
         lg = await c.open(linger_ms=60_000)
-        assert await asyncio.wait_for(append(lg, batch(b"a")), 5) == 0, "after a quiet spell: no linger"
-        second = append(lg, batch(b"b"))
+        assert await asyncio.wait_for(append(lg, batch(b"a")), 5) == 0, "nothing under way: no linger"
+        assert await asyncio.wait_for(append(lg, batch(b"b")), 5) == 1, "again right after: no linger"
+        gate = asyncio.Event()
+        real = c.meta.commit_segment
+
+        async def gated(*args: object, **kw: object) -> object:
+            await gate.wait()
+            return await real(*args, **kw)
+
+        c.meta.commit_segment = gated  # type: ignore[method-assign]
+        first = append(lg, batch(b"c"))
+        await asyncio.sleep(0.1)
+        later = [append(lg, batch(b"d")), append(lg, batch(b"e"))]
         await asyncio.sleep(0.2)
-        assert not second.done() and await c.hw() == 1, "the next segment gathers for the linger"
+        assert not first.done() and not any(f.done() for f in later)
+        gate.set()
+        assert await asyncio.wait_for(asyncio.gather(first, *later), 5) == [2, 3, 4], "cut once it committed"
+        assert len(await c.meta.list_segments(TOPIC, 0)) == 4, "the two gathered batches went in one segment"
         await lg.close()
 
     run(go())
