@@ -79,10 +79,9 @@ from pathlib import Path
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from bench.e2e import CpuMeter, broker_children, dev_store, pct, put_latencies, stack_dirs, start_broker
+from bench.e2e import CpuMeter, broker_children, compacted_s, dev_store, pct, put_latencies, stack_dirs, start_broker
 from kafscale.devstack import DevStack, free_port
 from kafscale.metadata.etcd_client import EtcdClient
-from kafscale.metadata.store import MetaStore
 
 LINGER_MS = 5
 RECORD = 1024
@@ -199,24 +198,6 @@ class StorageProbe:
             puts, txns = self._conn.recv()
             self.puts, self.txns = sorted(puts), sorted(txns)
         self._proc.join(30)
-
-
-def compacted_s(stack: DevStack, cluster: str, limit: float) -> float:
-    """Seconds until no node object of the cluster is left (every slice compacted); inf past limit."""
-    async def left() -> int:
-        meta = MetaStore(stack.etcd_endpoint, cluster)
-        await meta.start()
-        try:
-            return len(await meta.wal_keys())
-        finally:
-            await meta.close()
-
-    t0 = time.perf_counter()
-    while asyncio.run(left()):
-        if time.perf_counter() - t0 > limit:
-            return float("inf")
-        time.sleep(0.5)
-    return time.perf_counter() - t0
 
 
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
