@@ -56,9 +56,9 @@ class Config:
     namespace: str = _opt("kafscale", "key prefix inside the bucket")
     auto_create_topics: bool = _opt(False, "create unknown topics on Metadata/Produce")
     default_partitions: int = _opt(1, "partitions for auto-created topics and CreateTopics with -1")
-    linger_ms: int = _opt(5, "how long batches queued behind a node object under way (node_flush off: a "
-                          "partition's segment) gather before the next is cut, at most: they go once nothing "
-                          "is uploading or committing; with nothing under way a batch goes at once")
+    linger_ms: int = _opt(5, "how long batches gather before a node object (node_flush off: a partition's "
+                          "segment) is cut while one cut before is still uploading or committing; with none "
+                          "under way a batch goes at once")
     segment_bytes: int = _opt(16 * 1024 * 1024, "largest segment a flush builds")
     node_flush: bool = _opt(True, "one object per flush cycle for all of a node's partitions, compacted into "
                             "per-partition segments later (see docs/architecture.md)")

@@ -514,7 +514,9 @@ class PartitionLog(LogReader):
         while True:
             await self._wake.wait()
             if self._pending_bytes < self.segment_bytes:
-                await self._linger.wait(self.cfg.linger_ms, not self._flushes)
+                wait = self._linger.wait(self.cfg.linger_ms, not self._flushes)
+                if wait > 0:
+                    await asyncio.sleep(wait)
             await self._uncommitted.acquire()
             await self._upload_slots.acquire()
             take, size = [], 0
@@ -536,8 +538,6 @@ class PartitionLog(LogReader):
     def _flush_done(self, task: asyncio.Task[None]) -> None:
         self._flushes.discard(task)
         self._uncommitted.release()
-        if not self._flushes:
-            self._linger.drained()
         exc = None if task.cancelled() else task.exception()
         if exc is not None and not self.closed:  # fenced (or a bug): nothing queued here can become durable
             log.log(logging.WARNING if isinstance(exc, Fenced) else logging.ERROR,

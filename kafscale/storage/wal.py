@@ -2,8 +2,8 @@
 owns, committed in one etcd transaction whatever the partition count.
 
 The NodeFlusher gathers the queued batches of all its partition logs for
-`linger_ms` (sooner once `flush_bytes` are queued or no object is under
-way, see Linger), builds each partition's
+`linger_ms` (sooner once `flush_bytes` are queued; at once while no
+object is under way, see Linger), builds each partition's
 part as a complete .kfs segment (a *slice*), writes the slices back to back
 with a directory after them as one node object (If-None-Match), and commits
 the directory under `wal/{fence}/{seq}` in one etcd transaction that compares
@@ -200,26 +200,24 @@ async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callab
 class Linger:
     """When a flush loop cuts an object (or a segment) of its queued batches:
     at once while nothing cut before is uploading or committing; behind an
-    object under way, once the oldest queued batch has waited linger_ms or
-    nothing is under way any more, whichever comes first, so that the
-    batches behind it go along (group commit). With nothing under way there
-    is nothing to wait for but more batches, and a client that waits for each
+    object under way, once the oldest queued batch has waited linger_ms, so
+    that the batches behind it go along. With nothing under way there is
+    nothing to wait for but more batches, and a client that waits for each
     acknowledgement before it sends again (a lone record, a synchronous
     producer) sends none meanwhile: waiting added the broker's linger to the
-    client's own. Cuts made at once go one at a time (the next waits for the
-    object before it unless linger_ms passed), so they add at most one
-    object per upload and commit round trip. Cutting every linger_ms from the
-    last cut instead wrote about a fifth more objects under steady load at
-    100 and 1,000 partitions, and their acknowledgements' p99 rose by a
-    quarter; going at once after a gap of linger_ms even with objects under
-    way cut the first batch of librdkafka's bursts alone (bench/README.md,
-    session 30)."""
+    client's own. Cutting every linger_ms from the last cut instead wrote
+    about a fifth more objects under steady load at 100 and 1,000
+    partitions, and their acknowledgements' p99 rose by a quarter; going at
+    once after a gap of linger_ms even with objects under way cut the first
+    batch of librdkafka's bursts alone (bench/README.md, session 30); also
+    cutting the batches behind an object as soon as it committed wrote 1.3
+    to 1.6 times the objects at 100 partitions for no clear gain in the ack
+    p99 (session 34)."""
 
-    __slots__ = ("_due", "first_at")
+    __slots__ = ("first_at",)
 
     def __init__(self) -> None:
         self.first_at = 0.0  # time.monotonic() when the oldest queued batch was queued
-        self._due: asyncio.Event | None = None  # set when a wait under way should end
 
     def queued(self) -> None:
         """A batch came to an empty queue."""
@@ -229,23 +227,10 @@ class Linger:
         """The queued batches were taken (what is left counts from now)."""
         self.first_at = time.monotonic()
 
-    async def wait(self, linger_ms: int, idle: bool) -> None:
-        """Until the next cut is due; idle: nothing cut before is uploading or committing."""
-        left = self.first_at + linger_ms / 1000 - time.monotonic()
-        if idle or left <= 0:
-            return
-        due = self._due = asyncio.Event()
-        timer = asyncio.get_running_loop().call_later(left, due.set)
-        try:
-            await due.wait()
-        finally:
-            timer.cancel()
-            self._due = None
-
-    def drained(self) -> None:
-        """Nothing cut before is uploading or committing any more: a wait under way ends."""
-        if self._due is not None:
-            self._due.set()
+    def wait(self, linger_ms: int, idle: bool) -> float:
+        """Seconds to wait before the next cut; idle: nothing cut before is
+        uploading or committing."""
+        return 0.0 if idle else self.first_at + linger_ms / 1000 - time.monotonic()
 
 
 class Turns:
@@ -390,7 +375,9 @@ class NodeFlusher:
         while True:
             await self._wake.wait()
             if self.queued_bytes < self.cfg.flush_bytes:
-                await self._linger.wait(self.cfg.linger_ms, not self._flushes)
+                wait = self._linger.wait(self.cfg.linger_ms, not self._flushes)
+                if wait > 0:
+                    await asyncio.sleep(wait)
             await self._uncommitted.acquire()
             await self._uploads.acquire()
             taken = self._take()
@@ -406,8 +393,6 @@ class NodeFlusher:
     def _done(self, fence: str, task: asyncio.Task[None]) -> None:
         logs = self._flushes.pop(task)
         self._uncommitted.release()
-        if not self._flushes:
-            self._linger.drained()
         exc = None if task.cancelled() else task.exception()
         if exc is not None:  # fenced (or a bug): what it held never commits, nor anything queued after it
             log.log(logging.WARNING if isinstance(exc, Fenced) else logging.ERROR, "node flush failed: %r", exc,
