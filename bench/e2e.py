@@ -5,7 +5,11 @@
    time, with the client the broker writes with: the baseline) and broker
    produce MB/s (librdkafka producer, acks=all, 1 KiB records, --workers
    workers); the median ratio counts, since this store's speed drifts within
-   a run; and once with 1 worker (scaling). Each broker first takes a 64 MiB
+   a run; and once with 1 worker (scaling). Each round also produces as much
+   through a second broker with per-partition flushes (node_flush=false: a
+   segment per partition and flush, the write path before node objects, with
+   nothing to compact), so that the node flushes' ratio is compared with the
+   old path's in the same run. Each broker first takes a 64 MiB
    warm-up produce to a topic of its own, not measured: the first round
    after a broker started was often the slowest of its run;
 3. broker produce records/s with 100-byte records;
@@ -370,12 +374,28 @@ def main() -> None:
                         secs, n = produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
                         produced[workers] = n * 1024 / secs / (1 << 20)
                         continue
-                    for _ in range(args.rounds):
-                        raw = asyncio.run(raw_put_mbps(stack, args.mib))
-                        with node_cpu(weed, proc.pid) as cpu:
-                            secs, n1k = produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
-                        rounds.append((raw, n1k * 1024 / secs / (1 << 20), cpu))
-                    raw, mbps, _ = sorted(rounds, key=lambda r: r[1] / r[0])[len(rounds) // 2]
+                    # the write path before node objects, on a broker of its own: each round measures both
+                    flat, flat_bootstrap = start_broker(stack, Path(tmp), f"{cluster}flat", workers=str(workers),
+                                                        linger_ms=str(linger_ms), cache_bytes=str(cache),
+                                                        node_flush="false")
+                    try:
+                        flat_admin = AdminClient({"bootstrap.servers": flat_bootstrap})
+                        for t in ("warmup", "bench1k"):
+                            flat_admin.create_topics([NewTopic(t, args.partitions, 1)])[t].result(30)
+                        produce(flat_bootstrap, "warmup", args.partitions, 1024, 64 << 20)
+                        for _ in range(args.rounds):
+                            raw = asyncio.run(raw_put_mbps(stack, args.mib))
+                            with node_cpu(weed, proc.pid) as cpu:
+                                secs, n1k = produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
+                            with node_cpu(weed, flat.pid) as flat_cpu:
+                                flat_secs, flat_n = produce(flat_bootstrap, "bench1k", args.partitions, 1024,
+                                                            args.mib << 20)
+                            rounds.append((raw, n1k * 1024 / secs / (1 << 20), cpu,
+                                           flat_n * 1024 / flat_secs / (1 << 20), flat_cpu))
+                    finally:
+                        flat.send_signal(signal.SIGTERM)
+                        flat.wait(60)
+                    raw, mbps, *_ = sorted(rounds, key=lambda r: r[1] / r[0])[len(rounds) // 2]
                     produced[workers] = mbps
                     secs100, n100 = produce(bootstrap, "bench100", args.partitions, 100, min(args.mib, 64) << 20)
                     # the store's files and etcd's WAL share this disk: the gigabytes written so far would be
@@ -409,11 +429,17 @@ def main() -> None:
             stack.stop()
     put_p99 = pct(put_lat, 0.99)
     print(f"64 KiB PUT latency: p50 {pct(put_lat, 0.5) * 1000:.1f} ms  p99 {put_p99 * 1000:.1f} ms")
-    for i, (r_raw, r_mbps, r_cpu) in enumerate(rounds, 1):
+    for i, (r_raw, r_mbps, r_cpu, f_mbps, f_cpu) in enumerate(rounds, 1):
         print(f"round {i}: raw S3 PUT (8 MiB objects, 1 in flight) {r_raw:6.1f} MiB/s, then broker produce 1 KiB "
-              f"records, acks=all {r_mbps:6.1f} MiB/s: ratio {r_mbps / r_raw:.2f}\n  CPU cores used: {r_cpu}")
+              f"records, acks=all {r_mbps:6.1f} MiB/s: ratio {r_mbps / r_raw:.2f}, then the same with per-partition "
+              f"flushes {f_mbps:6.1f} MiB/s: ratio {f_mbps / r_raw:.2f}\n  CPU cores used: {r_cpu}\n"
+              f"  CPU cores used, per-partition flushes: {f_cpu}")
+    flat_ratio = sorted(r[3] / r[0] for r in rounds)[len(rounds) // 2]
     print(f"median round: broker {mbps:.1f} MiB/s / raw PUT {raw:.1f} MiB/s = {mbps / raw:8.2f}  ({n1k} records "
           f"per round, {args.partitions} partition(s), {args.workers} workers)")
+    print(f"per-partition flushes (node_flush=false, the write path before node objects), median round: "
+          f"produce / raw PUT = {flat_ratio:.2f}; node flushes / per-partition flushes = "
+          f"{mbps / raw / flat_ratio:.2f}")
     mbps100 = n100 * 100 / secs100 / (1 << 20)
     print(f"broker produce 100 B records, acks=all:  {n100 / secs100:8.0f} records/s "
           f"({mbps100:.1f} MiB/s, ratio to raw PUT {mbps100 / raw:.2f})")
