@@ -10,8 +10,7 @@
    segment per partition and flush, the write path before node objects, with
    nothing to compact), so that the node flushes' ratio is compared with the
    old path's in the same run. Each broker first takes a 64 MiB
-   warm-up produce to a topic of its own, not measured: the first round
-   after a broker started was often the slowest of its run;
+   warm-up produce to a topic of its own, not measured (ready_broker);
 3. broker produce records/s with 100-byte records;
 4. acks=all latency of single records at a low rate (histogram, p99), against
    linger + 2 x the 64 KiB PUT p99 (measured on the idle store): first while
@@ -187,6 +186,24 @@ def start_broker(stack: DevStack, logdir: Path, cluster: str, **cfg: str) -> tup
     raise RuntimeError("broker did not start")
 
 
+def ready_broker(stack: DevStack, logdir: Path, cluster: str, topics: tuple[str, ...], partitions: int,
+                 **cfg: str) -> tuple[subprocess.Popen, str]:
+    """start_broker, then its topics created and an unmeasured 64 MiB warm-up
+    produce to a topic of its own (the first round after a broker started was
+    often the slowest of its run)."""
+    proc, bootstrap = start_broker(stack, logdir, cluster, **cfg)
+    try:
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        for t in ("warmup", *topics):
+            admin.create_topics([NewTopic(t, partitions, 1)])[t].result(30)
+        produce(bootstrap, "warmup", partitions, 1024, 64 << 20)
+    except BaseException:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        raise
+    return proc, bootstrap
+
+
 def produce(bootstrap: str, topic: str, partitions: int, record_size: int, total_bytes: int) -> tuple[float, int]:
     """Returns (seconds, records) for acks=all delivery of total_bytes."""
     p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5, "batch.size": 1_000_000,
@@ -360,38 +377,34 @@ def main() -> None:
             cached: dict[str, tuple[float, CpuMeter]] = {}  # consumer: MiB/s, CPU
             cold: dict[str, tuple[float, float, CpuMeter, CpuMeter]] = {}  # consumer: MiB/s, raw GET MiB/s, CPUs
             weed = stack.procs[1].pid
+            n1k = (args.mib << 20) // 1024  # records of each 1 KiB produce
+
+            def produce_1k(bootstrap: str) -> float:
+                """MiB/s of one 1 KiB produce of --mib MiB."""
+                secs, n = produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
+                return n * 1024 / secs / (1 << 20)
+
             for workers in sorted({args.workers, 1}, reverse=True):
                 cluster = f"bench{uuid.uuid4().hex[:6]}"
                 cache = (args.rounds * args.mib + 128) << 20  # every topic of this run stays cached
-                proc, bootstrap = start_broker(stack, Path(tmp), cluster, workers=str(workers),
-                                               linger_ms=str(linger_ms), cache_bytes=str(cache))
+                cfg = {"workers": str(workers), "linger_ms": str(linger_ms), "cache_bytes": str(cache)}
+                proc, bootstrap = ready_broker(stack, Path(tmp), cluster, ("bench1k", "bench100", "latency"),
+                                               args.partitions, **cfg)
                 try:
-                    admin = AdminClient({"bootstrap.servers": bootstrap})
-                    for t in ("warmup", "bench1k", "bench100", "latency"):
-                        admin.create_topics([NewTopic(t, args.partitions, 1)])[t].result(30)
-                    produce(bootstrap, "warmup", args.partitions, 1024, 64 << 20)
                     if workers != args.workers:
-                        secs, n = produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
-                        produced[workers] = n * 1024 / secs / (1 << 20)
+                        produced[workers] = produce_1k(bootstrap)
                         continue
                     # the write path before node objects, on a broker of its own: each round measures both
-                    flat, flat_bootstrap = start_broker(stack, Path(tmp), f"{cluster}flat", workers=str(workers),
-                                                        linger_ms=str(linger_ms), cache_bytes=str(cache),
-                                                        node_flush="false")
+                    flat, flat_bootstrap = ready_broker(stack, Path(tmp), f"{cluster}flat", ("bench1k",),
+                                                        args.partitions, **cfg, node_flush="false")
                     try:
-                        flat_admin = AdminClient({"bootstrap.servers": flat_bootstrap})
-                        for t in ("warmup", "bench1k"):
-                            flat_admin.create_topics([NewTopic(t, args.partitions, 1)])[t].result(30)
-                        produce(flat_bootstrap, "warmup", args.partitions, 1024, 64 << 20)
                         for _ in range(args.rounds):
                             raw = asyncio.run(raw_put_mbps(stack, args.mib))
                             with node_cpu(weed, proc.pid) as cpu:
-                                secs, n1k = produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
+                                node_mbps = produce_1k(bootstrap)
                             with node_cpu(weed, flat.pid) as flat_cpu:
-                                flat_secs, flat_n = produce(flat_bootstrap, "bench1k", args.partitions, 1024,
-                                                            args.mib << 20)
-                            rounds.append((raw, n1k * 1024 / secs / (1 << 20), cpu,
-                                           flat_n * 1024 / flat_secs / (1 << 20), flat_cpu))
+                                flat_mbps = produce_1k(flat_bootstrap)
+                            rounds.append((raw, node_mbps, cpu, flat_mbps, flat_cpu))
                     finally:
                         flat.send_signal(signal.SIGTERM)
                         flat.wait(60)
