@@ -121,16 +121,17 @@ def test_a_batch_goes_at_once_with_nothing_under_way_and_gathers_for_the_linger_
         lg = await c.open(linger_ms=60_000)
         assert await asyncio.wait_for(append(lg, batch(b"a")), 5) == 0, "nothing under way: no linger"
         assert await asyncio.wait_for(append(lg, batch(b"b")), 5) == 1, "again right after: no linger"
-        gate = asyncio.Event()
+        gate, committing = asyncio.Event(), asyncio.Event()
         real = c.meta.commit_segment
 
         async def gated(*args: object, **kw: object) -> object:
+            committing.set()
             await gate.wait()
             return await real(*args, **kw)
 
         c.meta.commit_segment = gated  # type: ignore[method-assign]
         first = append(lg, batch(b"c"))
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(committing.wait(), 5)  # its segment is under way
         second = append(lg, batch(b"d"))
         gate.set()
         assert await asyncio.wait_for(first, 5) == 2
