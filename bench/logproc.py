@@ -1,0 +1,120 @@
+"""The log process's CPU per Produce request, without IPC, S3 or etcd.
+
+The log process's produce path (`LogService._produce`: the produce calls of
+one connection, appended, flushed in node objects, committed, acknowledged)
+in this process, over the in-memory twins of S3 and etcd, with the real
+shared rings and segment cache. Each call is a list of one-partition
+produce calls of two 1 KiB records, spread over 100 partitions, as
+librdkafka sends them with many partitions; CALLS_IN_FLIGHT lists are
+outstanding at a time. Printed: this process's CPU time (user + system,
+getrusage) per request over --requests requests, for --runs runs, each in a
+fresh process. Staging each payload in a ring (a worker's part) is
+included: about 1 µs a request.
+
+    python -m bench.logproc --requests 40000 --runs 5
+
+What the in-memory stores cost is not the broker's; compare commits by
+running this at each, alternately, on the same machine (with
+bench/listener.py for a worker's side).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import gc
+import multiprocessing as mp
+import resource
+import statistics
+
+from kafscale import _native
+from kafscale.broker import messages
+from kafscale.broker.broker import Broker
+from kafscale.broker.logproc import LogService
+from kafscale.broker.shm import SharedArea, SharedCache
+from kafscale.broker.supervisor import GC_THRESHOLDS
+from kafscale.config import Config
+from kafscale.metadata.memory import MemoryEtcd
+from kafscale.metadata.store import MetaStore
+from kafscale.storage.memory import MemoryObjectStore
+
+PARTITIONS = 100
+CALLS = 50  # produce requests in one call from a worker (a connection's requests of one loop pass)
+CALLS_IN_FLIGHT = 20
+TOPIC = "bench"
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def _run(requests: int) -> float:
+    cfg = Config(node_id=1, namespace="bench", node_flush=True)
+    etcd = MemoryEtcd()
+    meta = MetaStore.in_memory("bench", etcd)
+    await meta.create_topic(TOPIC, PARTITIONS, {})
+    area = SharedArea(1, cfg.ring_bytes, cfg.cache_bytes)
+    broker = Broker(cfg, MemoryObjectStore(), meta, SharedCache(area))
+    broker.partitions.cluster.desired_owner = lambda _t, _p: cfg.node_id  # type: ignore[method-assign]
+    await broker.partitions.start(await etcd.lease(60))
+    await broker.partitions.refresh_defaults()
+    service = LogService(broker, area, broker.partitions.cache)  # type: ignore[arg-type]
+    ring = area.rings[0]
+    payload = _native.build_batch([(1_700_000_000_000, b"k", b"x" * 1024, [])] * 2)
+
+    def staged() -> messages.RingPayload:
+        start = ring.alloc(len(payload))
+        assert start is not None, "the ring is full: fewer calls in flight"
+        ring.view(start, len(payload))[:] = payload
+        return 0, start, len(payload)
+
+    def produce(first: int) -> asyncio.Future[list[object]]:
+        calls: list[messages.ProduceCall] = [
+            (1, 9, "bench", "/127.0.0.1", "User:ANONYMOUS", -1, 30_000, None,
+             ((TOPIC, (((first + i) % PARTITIONS, staged()),)),)) for i in range(CALLS)]
+        return asyncio.ensure_future(service._produce(0, calls))
+
+    async def load(n: int) -> None:
+        in_flight: list[asyncio.Future[list[object]]] = []
+        for first in range(0, n, CALLS):
+            in_flight.append(produce(first))
+            if len(in_flight) >= CALLS_IN_FLIGHT:
+                replies = await in_flight.pop(0)
+                assert all(isinstance(r, dict) for r in replies), replies
+            await asyncio.sleep(0)
+        await asyncio.gather(*in_flight)
+
+    await load(PARTITIONS * 4)  # every partition opened
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+    started = _cpu_s()
+    await load(requests)
+    per_request = (_cpu_s() - started) / requests
+    await broker.close(1)
+    return per_request
+
+
+def _one(requests: int, out: mp.Queue) -> None:
+    out.put(asyncio.run(_run(requests)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=40_000)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    per_request = []
+    for _ in range(args.runs):
+        out: mp.Queue = mp.Queue()
+        proc = mp.Process(target=functools.partial(_one, args.requests, out))
+        proc.start()
+        per_request.append(out.get())
+        proc.join()
+        print(f"{per_request[-1] * 1e6:.1f} µs of CPU per Produce request")
+    print(f"median of {args.runs}: {statistics.median(per_request) * 1e6:.1f} µs")
+
+
+if __name__ == "__main__":
+    main()
