@@ -25,6 +25,7 @@ import resource
 import socket
 import statistics
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from kafscale import _native, metrics
@@ -110,30 +111,41 @@ def send(port: int, requests: int) -> None:
             answered = received // response_size
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def per_request_runs(doc: str, one_run: Callable[[int], float], what: str) -> None:
+    """A per-request bench's command line (--requests, --runs): one_run(requests)
+    (µs of CPU per request) --runs times, each printed, then their median."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=40_000)
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
     per_request = []
     for _ in range(args.runs):
-        ports: mp.Queue = mp.Queue()
-        marks: mp.Queue = mp.Queue()
-        readings: mp.Queue = mp.Queue()
-        server = mp.Process(target=serve, args=(ports, marks, readings))
-        server.start()
-        port = ports.get()
-        send(port, args.requests)  # warm-up
-        marks.put("start")
-        start = readings.get()
-        send(port, args.requests)
-        marks.put("end")
-        end = readings.get()
-        marks.put("stop")
-        server.join()
-        per_request.append((end - start) / args.requests * 1e6)
-        print(f"listener CPU per Produce request: {per_request[-1]:.1f} µs")
+        per_request.append(one_run(args.requests))
+        print(f"{what} CPU per Produce request: {per_request[-1]:.1f} µs")
     print(f"median of {args.runs} runs: {statistics.median(per_request):.1f} µs")
+
+
+def one_run(requests: int) -> float:
+    """The listener's CPU per request (µs) in a fresh server process, after as many requests to warm up."""
+    ports: mp.Queue = mp.Queue()
+    marks: mp.Queue = mp.Queue()
+    readings: mp.Queue = mp.Queue()
+    server = mp.Process(target=serve, args=(ports, marks, readings))
+    server.start()
+    port = ports.get()
+    send(port, requests)  # warm-up
+    marks.put("start")
+    start = readings.get()
+    send(port, requests)
+    marks.put("end")
+    end = readings.get()
+    marks.put("stop")
+    server.join()
+    return (end - start) / requests * 1e6
+
+
+def main() -> None:
+    per_request_runs(__doc__, one_run, "listener")
 
 
 if __name__ == "__main__":

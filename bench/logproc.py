@@ -19,14 +19,13 @@ bench/listener.py for a worker's side).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import gc
 import multiprocessing as mp
 import resource
-import statistics
 
+from bench.listener import per_request_runs
 from kafscale import _native
 from kafscale.broker import messages
 from kafscale.broker.broker import Broker
@@ -100,20 +99,18 @@ def _one(requests: int, out: mp.Queue) -> None:
     out.put(asyncio.run(_run(requests)))
 
 
+def one_run(requests: int) -> float:
+    """The log process's CPU per request (µs), in a fresh process."""
+    out: mp.Queue = mp.Queue()
+    proc = mp.Process(target=functools.partial(_one, requests, out))
+    proc.start()
+    per_request: float = out.get()
+    proc.join()
+    return per_request * 1e6
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=40_000)
-    ap.add_argument("--runs", type=int, default=5)
-    args = ap.parse_args()
-    per_request = []
-    for _ in range(args.runs):
-        out: mp.Queue = mp.Queue()
-        proc = mp.Process(target=functools.partial(_one, args.requests, out))
-        proc.start()
-        per_request.append(out.get())
-        proc.join()
-        print(f"{per_request[-1] * 1e6:.1f} µs of CPU per Produce request")
-    print(f"median of {args.runs}: {statistics.median(per_request) * 1e6:.1f} µs")
+    per_request_runs(__doc__, one_run, "log process")
 
 
 if __name__ == "__main__":
