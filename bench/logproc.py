@@ -20,12 +20,10 @@ bench/listener.py for a worker's side).
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import multiprocessing as mp
-import resource
 
-from bench.listener import per_request_runs
+from bench.listener import cpu_s, per_request_runs
 from kafscale import _native
 from kafscale.broker import messages
 from kafscale.broker.broker import Broker
@@ -43,22 +41,18 @@ CALLS_IN_FLIGHT = 20
 TOPIC = "bench"
 
 
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 async def _run(requests: int) -> float:
     cfg = Config(node_id=1, namespace="bench", node_flush=True)
     etcd = MemoryEtcd()
     meta = MetaStore.in_memory("bench", etcd)
     await meta.create_topic(TOPIC, PARTITIONS, {})
     area = SharedArea(1, cfg.ring_bytes, cfg.cache_bytes)
-    broker = Broker(cfg, MemoryObjectStore(), meta, SharedCache(area))
+    cache = SharedCache(area)
+    broker = Broker(cfg, MemoryObjectStore(), meta, cache)
     broker.partitions.cluster.desired_owner = lambda _t, _p: cfg.node_id  # type: ignore[method-assign]
     await broker.partitions.start(await etcd.lease(60))
     await broker.partitions.refresh_defaults()
-    service = LogService(broker, area, broker.partitions.cache)  # type: ignore[arg-type]
+    service = LogService(broker, area, cache)
     ring = area.rings[0]
     payload = _native.build_batch([(1_700_000_000_000, b"k", b"x" * 1024, [])] * 2)
 
@@ -88,9 +82,9 @@ async def _run(requests: int) -> float:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
-    started = _cpu_s()
+    started = cpu_s()
     await load(requests)
-    per_request = (_cpu_s() - started) / requests
+    per_request = (cpu_s() - started) / requests
     await broker.close(1)
     return per_request
 
@@ -102,7 +96,7 @@ def _one(requests: int, out: mp.Queue) -> None:
 def one_run(requests: int) -> float:
     """The log process's CPU per request (µs), in a fresh process."""
     out: mp.Queue = mp.Queue()
-    proc = mp.Process(target=functools.partial(_one, requests, out))
+    proc = mp.Process(target=_one, args=(requests, out))
     proc.start()
     per_request: float = out.get()
     proc.join()
