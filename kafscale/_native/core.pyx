@@ -873,6 +873,40 @@ cdef int _skip_tags(const uint8_t *p, Py_ssize_t *pos, Py_ssize_t end) except -1
     return 0
 
 
+# Request headers: v1 (api_key i16, api_version i16, correlation_id i32,
+# client_id nullable int16 string) and, for flexible request versions, v2
+# (plus tagged fields). Parsed for every request a listener reads.
+HEADER_VERSIONS = 64  # flexible_versions has this many entries per API key
+
+
+def parse_request_header(const uint8_t[::1] frame, const uint8_t[::1] flexible_versions):
+    """(api_key, api_version, correlation_id, client_id, flexible, body_at)
+    of a request frame (without its size prefix). flexible_versions[key *
+    HEADER_VERSIONS + version] is 1 where that API version has header v2;
+    an API key or version outside it has header v1. client_id's invalid
+    UTF-8 is replaced. ValueError if the frame is shorter than its header."""
+    cdef Py_ssize_t end = frame.shape[0], pos = 10
+    cdef const uint8_t *p = &frame[0] if end else NULL
+    cdef int api_key, api_version
+    cdef int64_t n
+    cdef bint flexible = False
+    if end < 10:
+        raise ValueError(f"request of {end} bytes is shorter than a header")
+    api_key = rd_i16(p)
+    api_version = rd_i16(p + 2)
+    n = rd_i16(p + 8)
+    client_id = None
+    if n >= 0:
+        pos = _need(pos, n, end)
+        client_id = PyUnicode_DecodeUTF8(<const char *>p + 10, <Py_ssize_t>n, "replace")
+    if 0 <= api_key and 0 <= api_version < HEADER_VERSIONS:
+        n = <int64_t>api_key * HEADER_VERSIONS + api_version
+        flexible = n < flexible_versions.shape[0] and flexible_versions[n]
+    if flexible:
+        _skip_tags(p, &pos, end)
+    return api_key, api_version, rd_i32(p + 4), client_id, flexible, pos
+
+
 def decode_produce_request(buf, Py_ssize_t pos, int version):
     """A Produce request body (v3 and later, up to v12) at `pos` of `buf` (a
     memoryview; records are slices of it): the dict the schema codec

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kafscale.protocol.framing import RequestHeader
 
@@ -22,6 +21,3 @@ class RequestContext(RequestHeader):
     # worker unpins the shared-memory segments the response points into.
     on_sent: list[Callable[[], None]] = field(default_factory=list)
 
-    @classmethod
-    def of(cls, hdr: RequestHeader, **known: Any) -> RequestContext:
-        return cls(hdr.api_key, hdr.api_version, hdr.correlation_id, hdr.client_id, hdr.flexible, **known)

@@ -117,8 +117,8 @@ class LogService:
     async def _frame(self, msg: messages.Frame) -> messages.FrameResult:
         try:
             view = memoryview(msg.frame)
-            wire, body_at = parse_header(view)
-            hdr = RequestContext.of(wire, client_host=msg.client_host, principal=msg.principal)
+            *wire, body_at = parse_header(view)
+            hdr = RequestContext(*wire, msg.client_host, msg.principal)
             chunks = await call_handler(self.broker.handlers, hdr, view, body_at)
         except ProtocolViolation as exc:
             return messages.FrameResult(violation=str(exc))

@@ -27,7 +27,7 @@ from kafscale.metadata.store import unavailable
 from kafscale.protocol.codec import DecodeError
 from kafscale.protocol.error_response import error_response, unavailable_code
 from kafscale.protocol.errors import ErrorCode, KafkaError
-from kafscale.protocol.framing import RequestHeader, encode_response, parse_request_header
+from kafscale.protocol.framing import HeaderFields, encode_response, request_header_fields
 from kafscale.protocol.schemas import API_VERSIONS, APIS, PRODUCE, SASL_AUTHENTICATE, SASL_HANDSHAKE
 from kafscale.security.sasl import ANONYMOUS, PROXY_MECHANISM, Lookup, ProxyIdentity, SaslExchange, SaslFailed
 
@@ -259,20 +259,21 @@ def answer_directly(handler: DirectHandler, hdr: RequestContext, frame: memoryvi
     return out
 
 
-def parse_header(frame: memoryview) -> tuple[RequestHeader, int]:
-    """The request header and where the body starts; ProtocolViolation for
-    unknown APIs and unsupported versions (except ApiVersions, answered in v0)."""
+def parse_header(frame: memoryview) -> HeaderFields:
+    """The request header's fields and where the body starts
+    (request_header_fields); ProtocolViolation for unknown APIs and
+    unsupported versions (except ApiVersions, answered in v0)."""
     try:
-        hdr, body_at = parse_request_header(frame)
+        fields = request_header_fields(frame)
     except DecodeError as exc:
         raise ProtocolViolation(f"malformed request header: {exc}") from None
-    api = APIS.get(hdr.api_key)
+    api_key, api_version, correlation_id = fields[:3]
+    api = APIS.get(api_key)
     if api is None:
-        raise ProtocolViolation(f"unknown API key {hdr.api_key} (correlation id {hdr.correlation_id})")
-    if not api.supports(hdr.api_version) and hdr.api_key != API_VERSIONS.key:
-        raise ProtocolViolation(f"{api.name} v{hdr.api_version} is not supported "
-                                f"(v{api.min_version}-v{api.max_version})")
-    return hdr, body_at
+        raise ProtocolViolation(f"unknown API key {api_key} (correlation id {correlation_id})")
+    if not api.supports(api_version) and api_key != API_VERSIONS.key:
+        raise ProtocolViolation(f"{api.name} v{api_version} is not supported (v{api.min_version}-v{api.max_version})")
+    return fields
 
 
 class KafkaServer:
@@ -352,12 +353,11 @@ class KafkaServer:
                         hdr = RequestContext(SASL_AUTHENTICATE.key, 0, 0, None, False)
                         task = asyncio.create_task(self._raw_token(session, bytes(frame)))
                     else:
-                        wire, body_at = parse_header(frame)
-                        if not session.authenticated and wire.api_key not in _BEFORE_AUTH:
-                            raise ProtocolViolation(f"{APIS[wire.api_key].name} request before SASL authentication")
-                        hdr = RequestContext.of(wire, client_host=session.client_host, principal=session.principal,
-                                                append_order=append_order)
-                        direct = self.direct.get(wire.api_key)
+                        *wire, body_at = parse_header(frame)
+                        if not session.authenticated and wire[0] not in _BEFORE_AUTH:
+                            raise ProtocolViolation(f"{APIS[wire[0]].name} request before SASL authentication")
+                        hdr = RequestContext(*wire, session.client_host, session.principal, append_order)
+                        direct = self.direct.get(hdr.api_key)
                         task = (answer_directly(direct, hdr, frame, body_at) if direct is not None
                                 else asyncio.create_task(self._handle(hdr, frame, body_at)))
                 except BaseException:

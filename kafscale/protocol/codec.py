@@ -538,11 +538,16 @@ class Message:
         w = w or Writer()
         if self.native_encode is None:
             self.codec(version).encode(w, obj)
-            return w
+        else:
+            w.write(self.encode_native(obj, version))
+        return w
+
+    def encode_native(self, obj: dict[str, Any], version: int) -> bytes | bytearray:
+        """encode with the native encoder (there must be one), in one piece."""
+        assert self.native_encode is not None
         if STRICT:
             self.codec(version).check_all(obj)
-        w.write(self.native_encode(obj, version))
-        return w
+        return self.native_encode(obj, version)
 
     def generic_encode(self, obj: dict[str, Any], version: int) -> Writer:
         """encode by the schema alone (what a native encoder must match)."""

@@ -10,11 +10,15 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from kafscale import _native
 from kafscale.protocol.codec import DecodeError, Reader, Writer
 from kafscale.protocol.schemas import API_VERSIONS, APIS
 
 _HDR = struct.Struct(">hhi")
 _I32 = struct.Struct(">i")
+# a response's size and correlation id, and in header v1 no tagged fields
+_HEAD = struct.Struct(">ii")
+_HEAD_TAGGED = struct.Struct(">iiB")
 MAX_FRAME = 100 * 1024 * 1024  # socket.request.max.bytes in Kafka
 
 
@@ -28,34 +32,50 @@ class RequestHeader:
     flexible: bool
 
 
-def parse_request_header(frame: memoryview) -> tuple[RequestHeader, int]:
-    """Parse the header of a request frame (without its size prefix).
+def _flexible_versions() -> bytes:
+    """The table _native.parse_request_header looks up header v2 in."""
+    table = bytearray((max(APIS) + 1) * _native.HEADER_VERSIONS)
+    for key, api in APIS.items():
+        for v in range(api.request.flexible_min, min(api.max_version + 1, _native.HEADER_VERSIONS)):
+            if api.supports(v):
+                table[key * _native.HEADER_VERSIONS + v] = 1
+    return bytes(table)
 
-    Returns the header and the offset where the body starts. The API key
-    and version need not be supported: callers answer UNSUPPORTED_VERSION."""
-    if len(frame) < 8:
-        raise DecodeError(f"request of {len(frame)} bytes is shorter than a header")
-    api_key, api_version, correlation_id = _HDR.unpack_from(frame, 0)
-    r = Reader(frame, 8)
-    n = r.prim(struct.Struct(">h"))
-    client_id = None if n < 0 else str(r.take(n), "utf-8", "replace")
-    api = APIS.get(api_key)
-    flexible = bool(api and api.supports(api_version) and api_version >= api.request.flexible_min)
-    if flexible:
-        for _ in range(r.uvarint()):
-            r.uvarint()
-            r.take(r.uvarint())
-    return RequestHeader(api_key, api_version, correlation_id, client_id, flexible), r.pos
+
+_FLEXIBLE_VERSIONS = _flexible_versions()
+# A request header's fields and where its body starts: (api_key, api_version,
+# correlation_id, client_id, flexible, body_at).
+HeaderFields = tuple[int, int, int, str | None, bool, int]
+
+
+def request_header_fields(frame: memoryview) -> HeaderFields:
+    """Parse the header of a request frame (without its size prefix), in
+    native code: its fields, then the offset where the body starts. The API
+    key and version need not be supported: callers answer UNSUPPORTED_VERSION."""
+    try:
+        return _native.parse_request_header(frame, _FLEXIBLE_VERSIONS)
+    except ValueError as exc:
+        raise DecodeError(str(exc)) from None
+
+
+def parse_request_header(frame: memoryview) -> tuple[RequestHeader, int]:
+    """request_header_fields as a RequestHeader and the offset of the body."""
+    *fields, body_at = request_header_fields(frame)
+    return RequestHeader(*fields), body_at
 
 
 def encode_response(header: RequestHeader, body: dict[str, Any]) -> list[Any]:
     """Frame a response body for `header`'s API and version; returns chunks
     ready for `writelines` (size prefix first)."""
     api = APIS[header.api_key]
+    tagged = header.api_version >= api.response.flexible_min and header.api_key != API_VERSIONS.key
+    if api.response.native_encode is not None:  # the body in one piece: its head packed in one go
+        data = api.response.encode_native(body, header.api_version)
+        return [_HEAD_TAGGED.pack(len(data) + 5, header.correlation_id, 0) if tagged
+                else _HEAD.pack(len(data) + 4, header.correlation_id), data]
     w = Writer()
     w.write(_I32.pack(header.correlation_id))
-    flexible = header.api_version >= api.response.flexible_min
-    if flexible and header.api_key != API_VERSIONS.key:
+    if tagged:
         w.write(b"\x00")  # no tagged fields in the response header
     api.response.encode(body, header.api_version, w)
     chunks = w.finish()

@@ -28,6 +28,30 @@ def test_librdkafka_api_versions_v3_request():
     assert end == len(frame)
 
 
+@pytest.mark.parametrize(("api_key", "version", "flexible"), [
+    (0, 8, False), (0, 9, True),  # Produce: header v2 from v9
+    (18, 2, False), (18, 3, True),  # ApiVersions: from v3
+    (0, 99, False), (0, -1, False),  # versions no API has
+    (999, 0, False), (-5, 0, False),  # unknown API keys
+])
+def test_request_headers_are_v2_exactly_where_the_schemas_say(api_key, version, flexible):
+    """The native header parser looks header v2 up in a table built from
+    the schemas: tagged fields (here one, tag 7 of 2 bytes) are skipped there
+    and nowhere else; a client id that is not UTF-8 is replaced, not refused."""
+    head = struct.pack(">hhih", api_key, version, 42, 3) + b"c\xffd"
+    hdr, pos = parse_request_header(memoryview(head + b"\x01\x07\x02ab" + b"body"))
+    assert (hdr.api_key, hdr.api_version, hdr.correlation_id, hdr.client_id) == (api_key, version, 42, "c\ufffdd")
+    assert hdr.flexible is flexible
+    assert pos == len(head) + (5 if flexible else 0)
+
+
+@pytest.mark.parametrize("frame", [b"", struct.pack(">hhi", 0, 9, 1), struct.pack(">hhih", 0, 9, 1, 4) + b"abc",
+                                   struct.pack(">hhih", 0, 9, 1, -1) + b"\x01\x07\x05ab"])
+def test_a_truncated_request_header_is_a_decode_error(frame):
+    with pytest.raises(DecodeError):
+        parse_request_header(memoryview(frame))
+
+
 def test_metadata_v12_all_topics_request_from_librdkafka():
     """librdkafka sends null topics and then 3 bytes Kafka ignores."""
     body, end = METADATA.request.decode(memoryview(bytes.fromhex("00000000010000")), 12)

@@ -33,11 +33,11 @@ def decode_frame(frame: bytes) -> None:
     """What a worker does with a frame before any handler runs."""
     mv = memoryview(frame)
     try:
-        hdr, body_at = parse_header(mv)
+        api_key, api_version, *_, body_at = parse_header(mv)
     except ProtocolViolation:
         return
     try:
-        APIS[hdr.api_key].request.decode(mv, hdr.api_version, body_at)
+        APIS[api_key].request.decode(mv, api_version, body_at)
     except DecodeError:
         pass
 
