@@ -17,7 +17,7 @@ from kafscale.broker import messages
 from kafscale.broker.broker import Broker
 from kafscale.broker.context import RequestContext
 from kafscale.broker.ipc import Channel
-from kafscale.broker.produce_api import Accepted
+from kafscale.broker.produce_api import Accepted, ProduceRequest
 from kafscale.broker.server import ProtocolViolation, call_handler, parse_header
 from kafscale.broker.shm import RingTracker, SharedArea, SharedCache
 from kafscale.metadata.store import SegmentManifest, has_partition
@@ -95,11 +95,10 @@ class LogService:
         other connections' produces do not wait for them, even while this one
         opens partitions."""
         conn, version, client_id, client_host, principal = msgs[0][:5]
-        reqs = [{"acks": acks, "timeout_ms": timeout_ms, "transactional_id": transactional_id,
-                 "topic_data": [{"name": name, "partition_data": [{"index": p, "records": self._accept(payload)}
-                                                                  for p, payload in parts]}
-                                for name, parts in topics]}
-                for *_, acks, timeout_ms, transactional_id, topics in msgs]
+        reqs: list[ProduceRequest] = [
+            (acks, timeout_ms, transactional_id,
+             [(name, [(p, self._accept(payload)) for p, payload in parts]) for name, parts in topics])
+            for *_, acks, timeout_ms, transactional_id, topics in msgs]
         order = self._append_orders.get((worker, conn))
         if order is None:
             order = self._append_orders[(worker, conn)] = asyncio.Lock()

@@ -7,14 +7,14 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kafscale import _native
 from kafscale.broker.context import RequestContext
 from kafscale.broker.partitions import PartitionApi
 from kafscale.metadata import topic_config
-from kafscale.metadata.store import has_partition
+from kafscale.metadata.store import TopicMeta, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
@@ -25,6 +25,16 @@ log = logging.getLogger(__name__)
 # A produce payload a worker validated and put in shared memory, and how to
 # hand that memory back; or the error the worker found instead.
 Accepted = tuple[memoryview, Callable[[], None]]
+# A produce request as a worker hands it over (messages.ProduceCall without
+# its connection's fields), its payloads accepted or refused:
+#   (acks, timeout_ms, transactional_id, ((topic, ((partition, Accepted | LogError), ...)), ...))
+ProduceTopics = Sequence[tuple[str, Sequence[tuple[int, Accepted | LogError]]]]
+ProduceRequest = tuple[int, int, str | None, ProduceTopics]
+# What a call's requests need of a topic they write to (looked up once a call):
+# whether the principal may write it, its metadata, its max.message.bytes
+_Topic = tuple[bool, TopicMeta | None, int]
+# A partition's response and the future of its batches' durability
+_Waiting = tuple[dict[str, Any], asyncio.Future[int]]
 
 
 class Deadlines:
@@ -78,7 +88,6 @@ class Deadlines:
 
 class ProduceApi(PartitionApi):
     ROUTES = {
-        schemas.PRODUCE.key: "produce",
         schemas.INIT_PRODUCER_ID.key: "init_producer_id",
     }
 
@@ -86,114 +95,111 @@ class ProduceApi(PartitionApi):
         super().__init__(*args)
         self.deadlines = Deadlines()
 
-    async def produce(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any] | None:
-        [response] = await self.produce_all(hdr, [req])
-        if isinstance(response, Exception):
-            raise response
-        return response
-
-    async def produce_all(self, hdr: RequestContext, reqs: list[dict[str, Any]]
+    async def produce_all(self, hdr: RequestContext, reqs: list[ProduceRequest]
                           ) -> list[dict[str, Any] | Exception | None]:
         """Produce requests one connection sent in a row, appended in that
         order under its lock, then waited for together: each one's response
         (None for acks=0), or the exception it failed with (the others are
         answered all the same)."""
         for req in reqs:
-            self._start_opening(hdr, req)
-        appended: list[tuple[list[dict[str, Any]], list[tuple[dict[str, Any], asyncio.Future[int] | None]]]
-                       | Exception] = []
+            self._start_opening(hdr, req[3])
+        topics: dict[str, _Topic] = {}  # looked up once for the call: its requests share a principal
+        appended: list[tuple[list[dict[str, Any]], list[_Waiting]] | Exception] = []
         async with hdr.append_order:  # appends in the order the connection sent them
             for req in reqs:
                 try:
-                    appended.append(await self._append(hdr, req))
+                    appended.append(await self._append(hdr, req, topics))
                 except Exception as exc:
                     log.exception("produce failed")
                     appended.append(exc)
         start = time.monotonic()
-        for timeout_ms in sorted({req["timeout_ms"] for req in reqs}):  # each waits its own timeout_ms from now
-            results = [r for req, done in zip(reqs, appended, strict=True)
-                       if req["timeout_ms"] == timeout_ms and req["acks"] != 0 and not isinstance(done, Exception)
-                       for r in done[1]]
-            await self._await_durable(results, start + timeout_ms / 1000 - time.monotonic())
-        return [done if isinstance(done, Exception) else None if req["acks"] == 0
+        for timeout_ms in sorted({req[1] for req in reqs}):  # each waits its own timeout_ms from now
+            waiting = [w for req, done in zip(reqs, appended, strict=True)
+                       if req[1] == timeout_ms and req[0] != 0 and not isinstance(done, Exception) for w in done[1]]
+            await self._await_durable(waiting, start + timeout_ms / 1000 - time.monotonic())
+        return [done if isinstance(done, Exception) else None if req[0] == 0
                 else {"responses": done[0], "throttle_time_ms": 0} for req, done in zip(reqs, appended, strict=True)]
 
-    async def _append(self, hdr: RequestContext, req: dict[str, Any]
-                      ) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], asyncio.Future[int] | None]]]:
+    async def _topic(self, hdr: RequestContext, name: str) -> _Topic:
+        writable = self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, name)
+        meta = self.partitions.topics.get(name) if writable else None
+        if meta is None and writable:  # not known here yet: look it up, maybe create it
+            meta = await self.partitions.topic(name, self.access.may_create_topic(hdr, name))
+        limit = topic_config.value(meta.config, "max.message.bytes", self.partitions.defaults) if meta else 0
+        return writable, meta, limit
+
+    async def _append(self, hdr: RequestContext, req: ProduceRequest, topics: dict[str, _Topic]
+                      ) -> tuple[list[dict[str, Any]], list[_Waiting]]:
         """Append a request's batches (under the connection's lock): its
-        responses, and each partition's response with the future of its
-        batches' durability."""
-        acks = req["acks"]
-        results: list[tuple[dict[str, Any], asyncio.Future[int] | None]] = []
+        responses, and the partition responses that wait for their batches'
+        durability, with its future."""
+        acks, _, transactional_id, topic_data = req
+        waiting: list[_Waiting] = []
         responses = []
-        for td in req["topic_data"]:
+        for name, partition_data in topic_data:
+            topic = topics.get(name)
+            if topic is None:
+                topic = topics[name] = await self._topic(hdr, name)
+            writable, meta, limit = topic
             parts = []
-            writable = self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, td["name"])
-            meta = self.partitions.topics.get(td["name"]) if writable else None
-            if meta is None and writable:  # not known here yet: look it up, maybe create it
-                meta = await self.partitions.topic(td["name"], self.access.may_create_topic(hdr, td["name"]))
-            for pd in td["partition_data"]:
-                r = {"index": pd["index"], "error_code": 0, "base_offset": -1, "log_append_time_ms": -1,
-                     "log_start_offset": -1, "record_errors": [], "error_message": None}
+            for index, accepted in partition_data:
+                # the fields a success leaves at their defaults are left out (the encoder writes them)
+                r: dict[str, Any] = {"index": index, "error_code": 0, "base_offset": -1, "log_start_offset": -1}
                 parts.append(r)
-                fut = None
-                accepted: Accepted | LogError | None = pd["records"]
+                payload: Accepted | LogError | None = accepted
                 try:
-                    if isinstance(accepted, LogError):
-                        raise accepted
+                    if isinstance(payload, LogError):
+                        raise payload
                     if not writable:
                         raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not write")
                     if acks not in (0, 1, -1):
                         raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
-                    if req.get("transactional_id") is not None:
+                    if transactional_id is not None:
                         raise LogError(ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, NO_TRANSACTIONS)
-                    if not has_partition(meta, pd["index"]):
-                        raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{td['name']}/{pd['index']}")
-                    payload, release = accepted
-                    batches = _native.scan_batches(payload)
-                    limit = topic_config.value(meta.config, "max.message.bytes", self.partitions.defaults)
+                    if not has_partition(meta, index):
+                        raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{name}/{index}")
+                    data, release = payload
+                    batches = _native.scan_batches(data)
                     if any(b.size > limit for b in batches):
                         raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
-                    lg = (self.partitions.open_log(meta.name, pd["index"])  # without a coroutine when open
-                          or await self.partitions.partition_log(meta.name, pd["index"]))
-                    base, fut = lg.append(payload, batches, acks != 0, release)
-                    accepted = None  # the log releases the payload now
+                    lg = (self.partitions.open_log(meta.name, index)  # without a coroutine when open
+                          or await self.partitions.partition_log(meta.name, index))
+                    base, fut = lg.append(data, batches, acks != 0, release)
+                    payload = None  # the log releases the payload now
                     r["base_offset"] = base
                     r["log_start_offset"] = lg.log_start
+                    if fut is not None:
+                        waiting.append((r, fut))
                 except LogError as exc:
                     r["error_code"], r["error_message"] = exc.code, str(exc)
-                    log.info("produce %s/%s rejected: %s %s", td["name"], pd["index"], exc.code.name, exc)
+                    log.info("produce %s/%s rejected: %s %s", name, index, exc.code.name, exc)
                 finally:
-                    if isinstance(accepted, tuple):
-                        accepted[1]()
-                results.append((r, fut))
-            responses.append({"name": td["name"], "partition_responses": parts})
-        return responses, results
+                    if isinstance(payload, tuple):
+                        payload[1]()
+            responses.append({"name": name, "partition_responses": parts})
+        return responses, waiting
 
-    def _start_opening(self, hdr: RequestContext, req: dict[str, Any]) -> None:
+    def _start_opening(self, hdr: RequestContext, topic_data: ProduceTopics) -> None:
         """Start opening the partitions a request may write to that are not
         open yet, before it waits for its turn to append: the produces a
         connection sends to partitions not open yet (librdkafka sends one
         request per partition; a first produce to a large topic reaches every
         partition) then open all at once, not one after another behind the
         connection's append order."""
-        for td in req["topic_data"]:
-            meta = self.partitions.topics.get(td["name"])
+        for name, partition_data in topic_data:
+            meta = self.partitions.topics.get(name)
             if meta is None:
                 continue
-            closed = [pd["index"] for pd in td["partition_data"] if not self.partitions.is_open(meta.name, pd["index"])]
+            closed = [p for p, _ in partition_data if not self.partitions.is_open(meta.name, p)]
             if not closed or not self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, meta.name):
                 continue
             for p in closed:
                 if has_partition(meta, p):
                     self.partitions.open_soon(meta.name, p)
 
-    async def _await_durable(self, results: list[tuple[dict[str, Any], asyncio.Future[int] | None]],
-                             wait_s: float) -> None:
-        await self.deadlines.wait([f for _, f in results if f is not None], max(wait_s, 0.001))
-        for r, fut in results:
-            if fut is None:
-                continue
+    async def _await_durable(self, waiting: list[_Waiting], wait_s: float) -> None:
+        await self.deadlines.wait([f for _, f in waiting], max(wait_s, 0.001))
+        for r, fut in waiting:
             if not fut.done():
                 r["error_code"], r["error_message"] = ErrorCode.REQUEST_TIMED_OUT, "not durable within timeout_ms"
                 r["base_offset"] = -1
