@@ -75,6 +75,54 @@ def atomic_store(uint8_t[::1] buf, Py_ssize_t pos, uint64_t value):
     ks_store_u64(&buf[pos], value)
 
 
+cdef class RingWriter:
+    """A worker's end of its shared-memory produce ring (kafscale/broker/shm.py):
+    reserves room at the head (the u64 at 0 of the header; the log process
+    moves the tail, the u64 at 8) and copies a payload in, in one call.
+    Positions are absolute byte counts; a payload never wraps."""
+    cdef uint8_t[::1] _header
+    cdef uint8_t[::1] _data
+    cdef readonly Py_ssize_t size
+
+    def __cinit__(self, uint8_t[::1] header not None, uint8_t[::1] data not None):
+        if header.shape[0] < 16 or data.shape[0] == 0:
+            raise ValueError("a ring needs a 16-byte header and room for data")
+        self._header = header
+        self._data = data
+        self.size = data.shape[0]
+
+    cdef int64_t _alloc(self, Py_ssize_t n) noexcept:
+        cdef uint8_t *h = &self._header[0]
+        cdef int64_t head = <int64_t>ks_load_u64(h), start = head, tail
+        cdef int64_t off = start % self.size
+        if n > self.size:
+            return -1
+        if off + n > self.size:
+            start += self.size - off
+        tail = <int64_t>ks_load_u64(h + 8)
+        # what [start, start+n) overwrites is the previous lap's [start-size, start+n-size):
+        # free unless live payloads [tail, head) reach into it
+        if tail < head and start + n - self.size > tail:
+            return -1
+        ks_store_u64(h, <uint64_t>(start + n))
+        return start
+
+    def alloc(self, Py_ssize_t n):
+        """Reserve n contiguous bytes: their absolute position, or None when full."""
+        cdef int64_t start = self._alloc(n)
+        return None if start < 0 else start
+
+    def put(self, const uint8_t[::1] payload not None):
+        """Reserve room for payload and copy it in: its absolute position, or None when full."""
+        cdef Py_ssize_t n = payload.shape[0]
+        cdef int64_t start = self._alloc(n)
+        if start < 0:
+            return None
+        if n:
+            memcpy(&self._data[start % self.size], &payload[0], n)
+        return start
+
+
 cdef uint32_t _crc(const uint8_t[::1] data, uint32_t crc, int force_sw):
     if data.shape[0] == 0:
         return crc

@@ -84,21 +84,16 @@ class Ring:
         self.header = mem[:_RING_HEADER]
         self.data = mem[_RING_HEADER:_RING_HEADER + size]
         self.size = size
+        self._writer = _native.RingWriter(self.header, self.data)
 
     # ---------------------------------------------------------- worker side
     def alloc(self, n: int) -> int | None:
         """Reserve n contiguous bytes; their absolute position, or None when full."""
-        head = start = _native.atomic_load(self.header, _HEAD)
-        off = start % self.size
-        if off + n > self.size:
-            start += self.size - off
-        tail = _native.atomic_load(self.header, _TAIL)
-        # what [start, start+n) overwrites is the previous lap's [start-size, start+n-size): free
-        # unless live payloads [tail, head) reach into it
-        if n > self.size or (tail < head and start + n - self.size > tail):
-            return None
-        _native.atomic_store(self.header, _HEAD, start + n)
-        return start
+        return self._writer.alloc(n)
+
+    def put(self, payload: memoryview | bytes) -> int | None:
+        """Reserve room for payload and copy it in (in one native call); its absolute position, or None when full."""
+        return self._writer.put(payload)
 
     def view(self, start: int, n: int) -> memoryview:
         off = start % self.size

@@ -270,14 +270,12 @@ class Worker:
         n = len(payload)
         if n > self.ring.size:
             return messages.RejectedPayload(ErrorCode.MESSAGE_TOO_LARGE, f"{n} bytes exceed the produce buffer")
-        start = self.ring.alloc(n)
+        start = self.ring.put(payload)
         if start is None:
             return messages.RejectedPayload(ErrorCode.NOT_ENOUGH_REPLICAS, RING_FULL)
-        staged = self.ring.view(start, n)
-        staged[:] = payload
         for b in batches:
             if b.max_timestamp_fixed:
-                _native.set_max_timestamp(staged, b)
+                _native.set_max_timestamp(self.ring.view(start, n), b)
         self._produce_bytes.inc(n)
         return self.slot, start, n
 

@@ -26,20 +26,20 @@ def test_ring_never_overwrites_live_payloads_and_empty_ring_takes_anything():
             tracker.release(start)
             continue
         n = rng.randint(1, ring.size)
-        start = ring.alloc(n)
+        tag = step % 251
+        start = ring.put(bytes([tag]) * n)  # what a worker does: room reserved and filled in one call
         if start is None:
             assert live, f"an empty ring refused {n} bytes"
             refused += 1
             continue
-        tag = step % 251
-        ring.view(start, n)[:] = bytes([tag]) * n
         tracker.track(start, n)
         live.append((start, n, tag))
     assert refused > 0
     for start, _, _ in live:
         tracker.release(start)
     assert ring.in_use() == 0
-    assert ring.alloc(ring.size + 1) is None
+    assert ring.alloc(ring.size + 1) is None and ring.put(bytes(ring.size + 1)) is None
+    assert ring.in_use() == 0
 
 
 def segment(tag: int, n: int) -> CachedSegment:
