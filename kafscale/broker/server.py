@@ -557,7 +557,7 @@ class KafkaServer:
                     writer.close()
                     return
                 chunks = chunks or ()
-                if sum(len(c) for c in chunks) <= COALESCE_BYTES:
+                if sum(map(len, chunks)) <= COALESCE_BYTES:
                     for c in chunks:
                         ready += c
                 else:
