@@ -82,7 +82,7 @@ cdef class RingWriter:
     Positions are absolute byte counts; a payload never wraps."""
     cdef uint8_t[::1] _header
     cdef uint8_t[::1] _data
-    cdef readonly Py_ssize_t size
+    cdef Py_ssize_t size
 
     def __cinit__(self, uint8_t[::1] header not None, uint8_t[::1] data not None):
         if header.shape[0] < 16 or data.shape[0] == 0:
@@ -106,11 +106,6 @@ cdef class RingWriter:
             return -1
         ks_store_u64(h, <uint64_t>(start + n))
         return start
-
-    def alloc(self, Py_ssize_t n):
-        """Reserve n contiguous bytes: their absolute position, or None when full."""
-        cdef int64_t start = self._alloc(n)
-        return None if start < 0 else start
 
     def put(self, const uint8_t[::1] payload not None):
         """Reserve room for payload and copy it in: its absolute position, or None when full."""

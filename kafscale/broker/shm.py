@@ -45,7 +45,7 @@ from kafscale.storage.cache import CachedSegment
 
 NONE = 2**64 - 1
 _RING_HEADER = 64  # head u64 at 0 (worker), tail u64 at 8 (log process)
-_HEAD, _TAIL = 0, 8
+_HEAD, _TAIL = 0, 8  # _native.RingWriter moves the head at the same offset
 _RESERVE = 0  # cache header: end of the newest (being) written segment
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap has no name for it
 RATE_WINDOW_S = 10.0  # the cache's write rate (SharedCache.keeps_s) is measured over about this long
@@ -87,10 +87,6 @@ class Ring:
         self._writer = _native.RingWriter(self.header, self.data)
 
     # ---------------------------------------------------------- worker side
-    def alloc(self, n: int) -> int | None:
-        """Reserve n contiguous bytes; their absolute position, or None when full."""
-        return self._writer.alloc(n)
-
     def put(self, payload: memoryview | bytes) -> int | None:
         """Reserve room for payload and copy it in (in one native call); its absolute position, or None when full."""
         return self._writer.put(payload)
