@@ -38,6 +38,7 @@ from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.types import TopicPartition
 from kafscale.security.acl import Operation, ResourceType
+from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
@@ -143,6 +144,10 @@ class RecentCache(SegmentSource, Protocol):
         """About how long a segment put now stays in the cache (math.inf: for good)."""
         ...
 
+    def put_many(self, entries: list[tuple[str, CachedSegment]]) -> None:
+        """put each (key, segment): a node object's slices, committed together."""
+        ...
+
 
 class PartitionRegistry:
     def __init__(self, cfg: Config, store: ObjectStore, meta: MetaStore, cache: RecentCache,
@@ -164,7 +169,7 @@ class PartitionRegistry:
         self.lease: Any = None  # our etcd lease: partition ownership hangs on it
         self.closing = False  # shutting down: no partition is opened any more
         self.defaults = topic_config.Defaults(cfg)  # re-read by refresh_defaults
-        self.flusher = NodeFlusher(cfg, store, meta, self._topic_id, self._fenced) if cfg.node_flush else None
+        self.flusher = NodeFlusher(cfg, store, meta, cache, self._topic_id, self._fenced) if cfg.node_flush else None
         self.wal = WalIndex(meta)
         self.sweeper = OrphanSweeper(store, cfg.namespace)
         self._markers: dict[bytes, tuple[str, asyncio.Task[None]]] = {}  # topic id -> name, its marker's write

@@ -247,11 +247,11 @@ class PartitionLog(LogReader):
     def producers_of(items: list[_Pending]) -> dict[str, list[Any]]:
         return producers_of(items)
 
-    def committed(self, manifest: SegmentManifest, items: list[_Pending], seg: BuiltSegment) -> None:
-        """The node object holding these batches (a slice of it: manifest) is committed."""
+    def committed(self, manifest: SegmentManifest, items: list[_Pending]) -> None:
+        """The node object holding these batches (a slice of it: manifest) is
+        committed (and its slices are in the cache: NodeFlusher puts them all at once)."""
         self.add_segment(manifest)
         self.hw = manifest.last + 1
-        self.cache.put(manifest.ref, CachedSegment.from_built(seg))
         self._resolve(items)
         self._on_change(self, manifest)
         if not self._pending and not self._inflight:

@@ -37,10 +37,12 @@ from kafscale import faults, metrics
 from kafscale.config import Config
 from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest, TopicMeta
 from kafscale.protocol.types import TopicPartition
+from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectExists, ObjectStore
 from kafscale.storage.segment import BuiltSegment, build_segment, topic_marker_key
 
 if TYPE_CHECKING:
+    from kafscale.broker.partitions import RecentCache
     from kafscale.storage.partition import PartitionLog, _Pending
 
 log = logging.getLogger(__name__)
@@ -291,11 +293,13 @@ async def committed_watermarks(meta: MetaStore, topics: list[TopicMeta]
 
 
 class NodeFlusher:
-    def __init__(self, cfg: Config, store: ObjectStore, meta: MetaStore,
+    def __init__(self, cfg: Config, store: ObjectStore, meta: MetaStore, cache: RecentCache,
                  topic_id: Callable[[str], bytes | None], on_fenced: Callable[[str], Awaitable[None]]) -> None:
+        """cache: where committed slices go (the cache of every log this flusher flushes)."""
         self.cfg = cfg
         self.store = store
         self.meta = meta
+        self.cache = cache
         self.topic_id = topic_id
         self.on_fenced = on_fenced
         self.fence = ""
@@ -475,8 +479,9 @@ class NodeFlusher:
             turns = Turns(COMMITTED_TURN)  # the acknowledgements so far go out first
             for _, (_, slices, fut) in group:
                 try:
+                    self.cache.put_many([(s.manifest.ref, CachedSegment.from_built(s.seg)) for s in slices])
                     for s in slices:
-                        s.log.committed(s.manifest, s.items, s.seg)
+                        s.log.committed(s.manifest, s.items)
                         await turns.did()
                 except Exception as exc:  # a bug: the flush fails (and the node re-fences), never hangs
                     fut.set_exception(exc)

@@ -57,10 +57,11 @@ class Node:
         async def on_fenced(_fence: str) -> None:
             self.fenced.set()
 
-        flusher = NodeFlusher(self.cfg, self.store, self.meta, lambda _t: meta.id, on_fenced)
+        cache = cache or DictCache()
+        flusher = NodeFlusher(self.cfg, self.store, self.meta, cache, lambda _t: meta.id, on_fenced)
         await flusher.start(await self.etcd.lease(60))
         wal = WalIndex(self.meta)
-        logs = [PartitionLog(TOPIC, p, self.cfg, self.store, self.meta, cache or DictCache(), ReadBudget(64 << 20),
+        logs = [PartitionLog(TOPIC, p, self.cfg, self.store, self.meta, cache, ReadBudget(64 << 20),
                              lambda _lg, _m: None, (flusher, wal, meta.id)) for p in range(partitions)]
         for lg in logs:
             await lg.open()
@@ -280,9 +281,10 @@ def test_the_collector_keeps_an_object_of_a_partition_claimed_during_its_pass():
         async def on_fenced(_fence: str) -> None:
             n.fenced.set()
 
-        flusher = NodeFlusher(n.cfg, n.store, n.meta, lambda _t: meta.id, on_fenced)
+        cache = DictCache()
+        flusher = NodeFlusher(n.cfg, n.store, n.meta, cache, lambda _t: meta.id, on_fenced)
         await flusher.start(await n.etcd.lease(60))
-        p1 = PartitionLog(TOPIC, 1, n.cfg, n.store, n.meta, DictCache(), ReadBudget(64 << 20),
+        p1 = PartitionLog(TOPIC, 1, n.cfg, n.store, n.meta, cache, ReadBudget(64 << 20),
                           lambda _lg, _m: None, (flusher, WalIndex(n.meta), meta.id))
         real_keys, claimed = n.meta.wal_keys, []
 
@@ -343,7 +345,8 @@ def test_a_first_claim_reads_nothing_and_a_later_owner_finds_every_slice():
     async def go():
         n = Node()
         meta = await n.meta.create_topic(TOPIC, 1, {})
-        flusher = NodeFlusher(n.cfg, n.store, n.meta, lambda _t: meta.id, lambda _f: asyncio.sleep(0))
+        cache = DictCache()
+        flusher = NodeFlusher(n.cfg, n.store, n.meta, cache, lambda _t: meta.id, lambda _f: asyncio.sleep(0))
         await flusher.start(await n.etcd.lease(60))
         wal = WalIndex(n.meta)
         reads = {"segments": 0, "scans": 0}
@@ -361,7 +364,7 @@ def test_a_first_claim_reads_nothing_and_a_later_owner_finds_every_slice():
         wal._read = scan  # type: ignore[method-assign]
 
         def owner() -> PartitionLog:
-            return PartitionLog(TOPIC, 0, n.cfg, n.store, n.meta, DictCache(), ReadBudget(64 << 20),
+            return PartitionLog(TOPIC, 0, n.cfg, n.store, n.meta, cache, ReadBudget(64 << 20),
                                 lambda _lg, _m: None, (flusher, wal, meta.id))
 
         first = owner()
@@ -560,7 +563,7 @@ def test_the_slices_counted_are_always_the_tail_of_the_segments():
         await lg.delete_records(4)  # the compacted segment and the first slice go
         assert counted(lg) == walked(lg) and lg._slice_count == 1
         await lg.close()
-        again = PartitionLog(TOPIC, 0, n.cfg, n.store, n.meta, DictCache(), ReadBudget(64 << 20),
+        again = PartitionLog(TOPIC, 0, n.cfg, n.store, n.meta, lg.cache, ReadBudget(64 << 20),
                              lambda _lg, _m: None, lg.node)
         await again.open()
         assert counted(again) == walked(again) and again._slice_count >= 1

@@ -43,6 +43,9 @@ class DictCache:
     def put(self, key, seg):
         self.segments[key] = seg
 
+    def put_many(self, entries):
+        self.segments.update(entries)
+
     def drop_prefix(self, prefix):
         self.segments = {k: v for k, v in self.segments.items() if not k.startswith(prefix)}
 
