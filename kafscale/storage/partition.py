@@ -4,7 +4,7 @@ Produce path: `append` assigns offsets and queues the batch bytes; the
 flusher gathers queued batches for `linger_ms` (or until `segment_bytes`),
 builds a .kfs segment, uploads it and its index, commits the manifest and
 new high watermark to etcd in one fenced transaction, and only then resolves
-the producers' futures. The high watermark (what Fetch may return) moves
+the producers' acknowledgements. The high watermark (what Fetch may return) moves
 only after that commit, so every acknowledged record is in S3 and etcd.
 
 With node flushes (`node_flush`) the node's NodeFlusher (storage/wal.py)
@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kafscale import _native, faults, metrics
 from kafscale.config import Config
@@ -66,11 +66,22 @@ PRODUCER_BATCHES = 5
 PRODUCER_EXPIRY_MS = 24 * 3600 * 1000
 
 
+class Acknowledger(Protocol):
+    """Who waits for appended batches: told of each one (by the token it was
+    appended with) once it is durable (exc None) or can never be (exc)."""
+
+    def answer(self, token: Any, exc: LogError | None) -> None: ...
+
+
+# an append's acknowledger and its token for it (a produce's partition response)
+Ack = tuple[Acknowledger, Any]
+
+
 @dataclass
 class _Pending:
     payload: memoryview
     base: int
-    future: asyncio.Future[int] | None
+    acks: list[Ack] | None  # who waits for the batch (a retried duplicate adds its own)
     release: Callable[[], None] | None  # hands the payload's memory back (a produce ring slot)
     producer: tuple[int, int, int, int] | None = None  # idempotent: id, epoch, first and last sequence
 
@@ -192,24 +203,25 @@ class PartitionLog(LogReader):
         return [k for k in keys if k not in named and (key_epoch(k) or self.epoch) < self.epoch]
 
     # --------------------------------------------------------------- produce
-    def append(self, payload: memoryview, batches: list[_native.BatchInfo], want_ack: bool,
-               release: Callable[[], None] | None = None) -> tuple[int, asyncio.Future[int] | None]:
-        """Queue validated batches; returns (base offset, future resolved once
-        durable). `release` is called once the payload bytes are no longer
-        needed (copied into a segment, or dropped); not called on LogError."""
+    def append(self, payload: memoryview, batches: list[_native.BatchInfo], ack: Ack | None,
+               release: Callable[[], None] | None = None) -> int:
+        """Queue validated batches; returns their base offset. `ack` (None:
+        nobody waits, acks=0) is answered once they are durable, or failed.
+        `release` is called once the payload bytes are no longer needed (copied
+        into a segment, or dropped); not called on LogError."""
         if self.closed:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, "partition log closed")
         first = batches[0]
         if first.producer_id >= 0:
             dup = self._check_sequence(first)
             if dup is not None:
-                fut = self._durable_future(dup)
+                if ack is not None:
+                    self._ack_original(dup, ack)
                 if release is not None:
                     release()
-                return dup, fut
+                return dup
         base = self.next_offset
         self.next_offset += sum(b.last_offset_delta + 1 for b in batches)
-        fut = asyncio.get_running_loop().create_future() if want_ack else None
         if not self._pending:
             self._linger.queued()
         producer = None
@@ -217,14 +229,14 @@ class PartitionLog(LogReader):
             last_seq = batches[-1].base_sequence + batches[-1].last_offset_delta
             producer = (first.producer_id, first.producer_epoch, first.base_sequence, last_seq)
             self._producers[first.producer_id].recent.append((first.base_sequence, last_seq, base))
-        self._pending.append(_Pending(payload, base, fut, release, producer))
+        self._pending.append(_Pending(payload, base, None if ack is None else [ack], release, producer))
         self._pending_bytes += len(payload)
         self._idle.clear()
         if self.node is not None:
             self.node[0].notify(self, len(payload))
         else:
             self._wake.set()
-        return base, fut
+        return base
 
     # ---------------------------------------------------------- node flushes
     def has_queued(self) -> bool:
@@ -463,18 +475,18 @@ class PartitionLog(LogReader):
             self._state_raw = await self.meta.set_log_start(self.topic, self.partition, self._state_raw,
                                                             new_state, [])
 
-    def _durable_future(self, base: int) -> asyncio.Future[int]:
-        """A future for the queued batch at `base` (resolved at once if committed):
-        a retried duplicate is acknowledged only when its original is durable."""
+    def _ack_original(self, base: int, ack: Ack) -> None:
+        """A retried duplicate is acknowledged when its original (the queued
+        batch at `base`) is durable: at once if it is committed."""
         if base < self.hw:
-            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            fut.set_result(base)
-            return fut
+            ack[0].answer(ack[1], None)
+            return
         for p in self._inflight + self._pending:
             if p.base == base:
-                if p.future is None:  # the original was sent with acks=0
-                    p.future = asyncio.get_running_loop().create_future()
-                return p.future
+                if p.acks is None:  # the original was sent with acks=0
+                    p.acks = []
+                p.acks.append(ack)
+                return
         raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"batch at offset {base} is neither queued nor committed")
 
     def _check_sequence(self, first: _native.BatchInfo) -> int | None:
@@ -558,8 +570,10 @@ class PartitionLog(LogReader):
     def _fail_pending(self, items: list[_Pending], code: ErrorCode) -> None:
         for p in items:
             p.done_with_payload()
-            if p.future is not None and not p.future.done():
-                p.future.set_exception(LogError(code))
+            if p.acks:
+                exc = LogError(code)
+                for who, token in p.acks:
+                    who.answer(token, exc)
 
     async def _retry(self, what: str, step: Callable[[], Awaitable[None]]) -> None:
         await retry(f"{self.topic}/{self.partition}: {what}", step)
@@ -596,12 +610,19 @@ class PartitionLog(LogReader):
         self._on_change(self, manifest)
 
     def _resolve(self, items: list[_Pending]) -> None:
-        """These batches are durable: acknowledge them."""
-        done = {id(p) for p in items}
-        self._inflight = [p for p in self._inflight if id(p) not in done]
+        """These batches are durable: acknowledge them. They are the oldest in
+        flight (taken in order, committed in order): the check of both ends
+        stands for the whole run, else each is looked for."""
+        n = len(items)
+        if n and len(self._inflight) >= n and self._inflight[0] is items[0] and self._inflight[n - 1] is items[-1]:
+            del self._inflight[:n]
+        else:
+            done = {id(p) for p in items}
+            self._inflight = [p for p in self._inflight if id(p) not in done]
         for p in items:
-            if p.future is not None and not p.future.done():
-                p.future.set_result(p.base)
+            if p.acks:
+                for who, token in p.acks:
+                    who.answer(token, None)
 
     async def _upload(self, key: str, data: bytearray, index: bytes, background: bool = False) -> None:
         """Write both objects once (the index only if the segment has one). The

@@ -85,10 +85,27 @@ class Cluster:
         return state[0].hw if state else 0
 
 
+class FutureAck:
+    """An append's acknowledger: a future done once the batch is durable."""
+
+    def __init__(self) -> None:
+        self.durable: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def answer(self, _token: object, exc: LogError | None) -> None:
+        if exc is not None:
+            self.durable.set_exception(exc)
+        else:
+            self.durable.set_result(None)
+
+
 def append(lg: PartitionLog, payload: memoryview) -> asyncio.Future[int]:
-    _base, fut = lg.append(payload, _native.scan_batches(payload, True), True)
-    assert fut is not None
-    return fut
+    """Append one batch: the future of its base offset, done once it is durable."""
+    ack = FutureAck()
+    base = lg.append(payload, _native.scan_batches(payload, True), (ack, None))
+    out: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    ack.durable.add_done_callback(
+        lambda d: out.set_exception(exc) if (exc := d.exception()) is not None else out.set_result(base))
+    return out
 
 
 def run(coro):
@@ -267,7 +284,7 @@ def test_idempotent_retries_get_the_original_offset_even_on_a_new_owner():
         assert await append(lg, batch(b"p1", producer=(7, 0, 1))) == 1
         with pytest.raises(LogError) as err:
             lg.append(batch(b"gap", producer=(7, 0, 5)), _native.scan_batches(batch(b"gap", producer=(7, 0, 5))),
-                      True)
+                      (FutureAck(), None))
         assert err.value.code == ErrorCode.OUT_OF_ORDER_SEQUENCE_NUMBER
         await lg.close()
         moved = await c.open(node_id=2)
