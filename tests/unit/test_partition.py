@@ -13,6 +13,7 @@ import struct
 import pytest
 
 from kafscale import _native
+from kafscale.broker.produce_api import Acks, Deadlines
 from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
@@ -190,6 +191,33 @@ def test_s3_and_etcd_failures_are_retried_never_dropped():
         c.etcd.down = False
         assert await fut == 1 and await c.hw() == 2
         await lg.close()
+
+    run(go())
+
+
+def test_a_calls_acks_answer_each_response_once_durable_failed_or_timed_out():
+    async def go():
+        c = Cluster()
+        lg = await c.open()
+        acks, deadlines = Acks(), Deadlines()
+        durable = {"index": 0, "error_code": 0, "base_offset": 0}
+        lg.append(batch(b"a"), _native.scan_batches(batch(b"a")), acks.expect(durable))
+        await acks.wait(deadlines, 5)
+        assert durable == {"index": 0, "error_code": 0, "base_offset": 0}, "durable: left as appended"
+
+        c.etcd.down = True  # the next batch cannot become durable: it times out, then fails
+        late, failed = Acks(), Acks()
+        slow = {"index": 0, "error_code": 0, "base_offset": 1}
+        lg.append(batch(b"b"), _native.scan_batches(batch(b"b")), late.expect(slow))
+        await late.wait(deadlines, 0.2)
+        assert slow["error_code"] == ErrorCode.REQUEST_TIMED_OUT and slow["base_offset"] == -1
+        lost = {"index": 0, "error_code": 0, "base_offset": 2}
+        lg.append(batch(b"c"), _native.scan_batches(batch(b"c")), failed.expect(lost))
+        waiting = asyncio.ensure_future(failed.wait(deadlines, 30))
+        await lg.close()
+        await asyncio.wait_for(waiting, 5)
+        assert lost["error_code"] == ErrorCode.NOT_LEADER_OR_FOLLOWER and lost["base_offset"] == -1
+        assert slow["error_code"] == ErrorCode.REQUEST_TIMED_OUT, "answered once: the timeout stands"
 
     run(go())
 
