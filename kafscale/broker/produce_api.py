@@ -74,8 +74,8 @@ class Acks:
     all of them (an Acknowledger to their logs). A batch durable leaves its
     response as appended (with its base offset); a failed one gets its error.
     A future per batch, with a callback each to count them down, cost the log
-    process a tenth of its time per request (librdkafka sends one partition
-    a request, a connection's requests of one pass come as one call)."""
+    process a loop callback per batch (librdkafka sends one partition a
+    request; a connection's requests of one pass come as one call)."""
     __slots__ = ("_left", "_waiter")
 
     def __init__(self) -> None:
