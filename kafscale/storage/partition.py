@@ -90,6 +90,11 @@ class _Pending:
             self.release()
             self.release = None
 
+    def answer(self, exc: LogError | None) -> None:
+        """Tell whoever waits that the batch is durable (exc None) or never will be."""
+        for who, token in self.acks or ():
+            who.answer(token, exc)
+
 
 @dataclass
 class _ProducerState:
@@ -570,10 +575,7 @@ class PartitionLog(LogReader):
     def _fail_pending(self, items: list[_Pending], code: ErrorCode) -> None:
         for p in items:
             p.done_with_payload()
-            if p.acks:
-                exc = LogError(code)
-                for who, token in p.acks:
-                    who.answer(token, exc)
+            p.answer(LogError(code))
 
     async def _retry(self, what: str, step: Callable[[], Awaitable[None]]) -> None:
         await retry(f"{self.topic}/{self.partition}: {what}", step)
@@ -620,9 +622,7 @@ class PartitionLog(LogReader):
             done = {id(p) for p in items}
             self._inflight = [p for p in self._inflight if id(p) not in done]
         for p in items:
-            if p.acks:
-                for who, token in p.acks:
-                    who.answer(token, None)
+            p.answer(None)
 
     async def _upload(self, key: str, data: bytearray, index: bytes, background: bool = False) -> None:
         """Write both objects once (the index only if the segment has one). The
