@@ -312,7 +312,9 @@ def test_sigkill_keeps_every_acknowledged_record(make_broker, stack, topic_name,
         if i % 50 == 0:
             time.sleep(0.01)
     p.flush(30)
-    assert 0 < len(acked) < i
+    assert acked
+    if when != "mid-compaction":  # compaction is timed by the lag, not by produce: it may crash with nothing in flight
+        assert len(acked) < i
     if when == "mid-compaction":  # the compaction's segment (or shared object) is in S3, and nothing names it
         assert unnamed_objects(stack, b.cluster, topic_name, partitions) or unnamed_shared_objects(stack, b.cluster)
     b.config.pop("crash_at", None)
