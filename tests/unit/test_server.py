@@ -1,8 +1,9 @@
 """The listener (KafkaServer with in-process handlers, over real sockets):
 its read time limits (an idle connection is closed, one that sends a
 frame's size and stalls is closed, and connections that keep sending, or wait
-for an answer, are not, however long they last), and requests answered by
-direct handlers, in order with the others."""
+for an answer, are not, however long they last), frames split however their
+bytes arrive, and requests answered by direct handlers, in order with the
+others."""
 from __future__ import annotations
 
 import asyncio
@@ -80,6 +81,28 @@ def test_a_frame_that_stops_after_its_size_is_closed_at_the_read_limit() -> None
         assert await _answer(reader) == 1
         writer.write(_request(2)[:10])  # the size and part of the header, then nothing
         assert await _closed_after(reader) < LIMIT_S + 1
+
+    _on_a_connection(check)
+
+
+def test_frames_are_split_however_the_bytes_arrive() -> None:
+    """Many frames in one write, frames split inside their size prefix or
+    body, and one frame far larger than a read: each is answered, in order."""
+    async def check(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"".join(_request(i) for i in range(200)))
+        assert [await _answer(reader) for _ in range(200)] == list(range(200))
+        data = b"".join(_request(i) for i in range(200, 210))
+        for cut in (2, 7, 31, 40, 41, 95, len(data)):  # inside a prefix, a header, at frame ends
+            writer.write(data[:cut])
+            data = data[cut:]
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        assert [await _answer(reader) for _ in range(10)] == list(range(200, 210))
+        big = encode_request(METADATA.key, 1, 999, {"topics": [{"name": "t" * 200}] * 3000})  # 600 KiB
+        writer.write(_request(998) + big[:100])
+        await asyncio.sleep(0.01)
+        writer.write(big[100:] + _request(1000))
+        assert [await _answer(reader) for _ in range(3)] == [998, 999, 1000]
 
     _on_a_connection(check)
 
