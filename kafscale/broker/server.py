@@ -94,6 +94,9 @@ Respond = Callable[["dict[str, Any] | BaseException | None"], None]
 DirectHandler = Callable[[RequestContext, dict[str, Any], Respond], None]
 # Answers a request this process has no handler for (a worker asks its log process).
 Forward = Callable[[RequestContext, memoryview], Awaitable[list[Any] | None]]
+# A request read and not yet answered, as the send loop gets it: its response's future and its header,
+# and for a direct request what to run if the future is cancelled (answer_directly's done).
+_Queued = tuple[asyncio.Future[list[Any] | None], RequestContext, Callable[[], None] | None]
 # The on_sent list of the request being handled (see RequestContext.on_sent).
 ON_SENT: contextvars.ContextVar[list[Callable[[], None]]] = contextvars.ContextVar("on_sent")
 
@@ -299,10 +302,14 @@ async def call_handler(handlers: dict[int, Handler], hdr: RequestContext, frame:
     return _framed(hdr, req, body)
 
 
-def answer_directly(handler: DirectHandler, hdr: RequestContext, frame: memoryview, body_at: int
-                    ) -> asyncio.Future[list[Any] | None]:
+def answer_directly(handler: DirectHandler, hdr: RequestContext, frame: memoryview, body_at: int,
+                    done: Callable[[], None]) -> asyncio.Future[list[Any] | None]:
     """What call_handler does, with a DirectHandler: the future of the
-    framed response (None: no response), counted as _handle counts."""
+    framed response (None: no response), counted as _handle counts. done()
+    runs when the request is answered (not when the future is cancelled),
+    in place of a callback on the future: one loop callback fewer a request.
+    A ProtocolViolation the handler raises is answered in order, like one it
+    responds with: the connection closes after the responses before it."""
     started = time.perf_counter()
     out: asyncio.Future[list[Any] | None] = asyncio.get_running_loop().create_future()
 
@@ -318,17 +325,11 @@ def answer_directly(handler: DirectHandler, hdr: RequestContext, frame: memoryvi
             out.set_result(_framed(hdr, req, body))
         except BaseException as exc:  # as from a _handle task: logged, the connection closed
             out.set_exception(exc)
+        done()
 
     try:
         req = _decode(hdr, frame, body_at)
-    except ProtocolViolation as exc:
-        _count_request(hdr.api_key, started)
-        out.set_exception(exc)
-        return out
-    try:
         handler(hdr, req, respond)
-    except ProtocolViolation:
-        raise
     except Exception as exc:
         respond(exc)
     return out
@@ -411,8 +412,7 @@ class KafkaServer:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        queue: asyncio.Queue[tuple[asyncio.Future[list[Any] | None], RequestContext] | None] = asyncio.Queue(
-            self.limits.in_flight)
+        queue: asyncio.Queue[_Queued | None] = asyncio.Queue(self.limits.in_flight)
         sender = asyncio.create_task(self._send_loop(queue, writer, conn, peer))
         session = Session(conn, peer, authenticated=self.sasl is None,
                           client_host=f"/{peer[0]}" if isinstance(peer, tuple) else "")
@@ -424,6 +424,8 @@ class KafkaServer:
                 frame = await frames.next()
                 if frame is None:
                     break
+                done = functools.partial(self._request_done, session, len(frame))
+                direct = None
                 try:
                     if session.raw_tokens:
                         hdr = RequestContext(SASL_AUTHENTICATE.key, 0, 0, None, False)
@@ -434,14 +436,15 @@ class KafkaServer:
                             raise ProtocolViolation(f"{APIS[wire[0]].name} request before SASL authentication")
                         hdr = RequestContext(*wire, session.client_host, session.principal, append_order)
                         direct = self.direct.get(hdr.api_key)
-                        task = (answer_directly(direct, hdr, frame, body_at) if direct is not None
+                        task = (answer_directly(direct, hdr, frame, body_at, done) if direct is not None
                                 else asyncio.create_task(self._handle(hdr, frame, body_at)))
                 except BaseException:
                     self.budget.give(len(frame))
                     raise
-                session.in_flight += 1
-                task.add_done_callback(functools.partial(self._request_done, session, len(frame)))
-                await queue.put((task, hdr))
+                session.in_flight += 1  # (a direct request answered at once has taken 1 off already)
+                if direct is None:
+                    task.add_done_callback(done)
+                await queue.put((task, hdr, done if direct is not None else None))
                 if hdr.api_key in _SASL_APIS:
                     await asyncio.wait([task])  # the next request must see the outcome
                     if session.closing:
@@ -470,7 +473,7 @@ class KafkaServer:
                     log.warning("conn %d from %s: cleanup failed: %r", conn, peer, exc)
             self._conns.pop(me, None)
 
-    def _request_done(self, session: Session, size: int, _task: asyncio.Task[Any]) -> None:
+    def _request_done(self, session: Session, size: int, _task: asyncio.Task[Any] | None = None) -> None:
         session.in_flight -= 1
         self.budget.give(size)
 
@@ -559,14 +562,14 @@ class KafkaServer:
                     "auth_bytes": b""}
         return {"error_code": 0, "error_message": None, "auth_bytes": token, "session_lifetime_ms": 0}
 
-    async def _send_loop(self, queue: asyncio.Queue[tuple[asyncio.Future[list[Any] | None], RequestContext] | None],
+    async def _send_loop(self, queue: asyncio.Queue[_Queued | None],
                          writer: asyncio.StreamWriter, conn: int, peer: Any) -> None:
         """Answer the connection's requests in the order it sent them. Small
         responses that are ready together (a node flush acknowledges many
         produces at once) are copied into one buffer and written in one go;
         a larger one is written from its own chunks (a Fetch's cached
         segment bytes are not copied)."""
-        current: tuple[asyncio.Future[list[Any] | None], RequestContext] | None = None
+        current: _Queued | None = None
         ready = bytearray()  # small responses not written yet
         try:
             while True:
@@ -578,7 +581,7 @@ class KafkaServer:
                 if current is None:
                     await self._flush(writer, ready)
                     return
-                task, hdr = current
+                task, hdr, _ = current
                 if not task.done():
                     await self._flush(writer, ready)
                 try:
@@ -618,8 +621,11 @@ class KafkaServer:
                 dropped.append(queue.get_nowait())
             for item in dropped:
                 if item is not None:
-                    item[0].cancel()
-                    item[0].add_done_callback(lambda _t, h=item[1]: run_on_sent(h.on_sent))
+                    fut, hdr, done = item
+                    fut.cancel()
+                    if done is not None and fut.cancelled():  # never answered: answer_directly did not run it
+                        done()
+                    fut.add_done_callback(lambda _t, h=hdr: run_on_sent(h.on_sent))
 
     async def _flush(self, writer: asyncio.StreamWriter, ready: bytearray) -> None:
         """Write (and empty) the buffer of small responses."""

@@ -119,7 +119,9 @@ def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_cod
     """A direct handler (a worker's Produce) answers without a task: its
     responses still follow the order the requests came in, a failure is the
     client's error code on an open connection, acks=0 gets no response, and
-    a protocol violation closes the connection."""
+    a protocol violation closes the connection after the responses before
+    it. Every request's bytes go back to the listener's budget, answered or
+    not."""
     def produce(hdr: RequestContext, req: dict[str, Any], respond: Respond) -> None:
         name = req["topic_data"][0]["name"]
         if name == "raises":
@@ -130,7 +132,9 @@ def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_cod
             asyncio.get_running_loop().call_soon(respond, RuntimeError("the log process failed"))
         elif name == "closing":
             asyncio.get_running_loop().call_soon(respond, ProtocolViolation("the broker is shutting down"))
-        else:
+        elif name == "violates":
+            raise ProtocolViolation("the broker is shutting down")
+        elif name != "never":
             respond({"responses": [{"name": name, "partition_responses": [
                 {"index": 0, "error_code": 0, "base_offset": 5}]}], "throttle_time_ms": 0})
 
@@ -150,7 +154,7 @@ def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_cod
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             writer.write(_request(1) + request(2, "t") + request(3, "fails") + request(4, "t", acks=0)
-                         + request(5, "raises") + request(6, "t") + request(7, "closing"))
+                         + request(5, "raises") + request(6, "t") + request(7, "closing") + request(8, "never"))
             answers = []
             for _ in range(5):
                 (size,) = struct.unpack(">i", await asyncio.wait_for(reader.readexactly(4), 5))
@@ -161,6 +165,17 @@ def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_cod
             assert codes == [0, ErrorCode.UNKNOWN_SERVER_ERROR, ErrorCode.UNKNOWN_SERVER_ERROR, 0]
             assert await asyncio.wait_for(reader.read(), 5) == b""  # a violation closes the connection
             writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(request(1, "t") + request(2, "violates") + request(3, "never") + request(4, "t"))
+            (size,) = struct.unpack(">i", await asyncio.wait_for(reader.readexactly(4), 5))
+            assert struct.unpack_from(">i", await reader.readexactly(size))[0] == 1
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # 2 closes the connection; 3 is dropped
+            writer.close()
+            for _ in range(100):  # the connections' tasks end
+                if not server.budget.used:
+                    break
+                await asyncio.sleep(0.05)
+            assert server.budget.used == 0
         finally:
             await server.close()
 
