@@ -182,8 +182,9 @@ class ProduceApi(PartitionApi):
                         raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{name}/{index}")
                     data, release = payload
                     batches = _native.scan_batches(data)
-                    if any(b.size > limit for b in batches):
-                        raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
+                    for b in batches:  # not any(generator): with PartitionLog.append, 2.5% of a request's instructions
+                        if b.size > limit:
+                            raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
                     lg = (self.partitions.open_log(meta.name, index)  # without a coroutine when open
                           or await self.partitions.partition_log(meta.name, index))
                     try:

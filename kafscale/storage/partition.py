@@ -226,7 +226,8 @@ class PartitionLog(LogReader):
                     release()
                 return dup
         base = self.next_offset
-        self.next_offset += sum(b.last_offset_delta + 1 for b in batches)
+        for b in batches:  # not sum(generator): with ProduceApi._append, 2.5% of a request's instructions
+            self.next_offset += b.last_offset_delta + 1
         if not self._pending:
             self._linger.queued()
         producer = None
