@@ -175,6 +175,7 @@ class _ReadDeadline:
             self._timer = None
 
 
+@dataclass(slots=True)
 class _FrameReader:
     """Splits a connection's bytes into request frames. A read takes what the
     stream holds (READ_CHUNK at most) and every complete frame in it is then
@@ -183,69 +184,68 @@ class _FrameReader:
     readexactly and a deadline for the size prefix and again for the body of
     each were a sixth of the listener's time per request under cProfile."""
 
-    def __init__(self, reader: asyncio.StreamReader, session: Session, limits: ConnectionLimits,
-                 budget: ByteBudget, idle: _ReadDeadline, body: _ReadDeadline) -> None:
-        self._reader = reader
-        self._session = session
-        self._limits = limits
-        self._budget = budget
-        self._idle = idle
-        self._body = body
-        self._data = b""  # bytes read, from self._pos on not yet returned
-        self._pos = 0
+    reader: asyncio.StreamReader
+    session: Session
+    limits: ConnectionLimits
+    budget: ByteBudget
+    idle: _ReadDeadline
+    body: _ReadDeadline
+    data: bytes = b""  # bytes read, from pos on not yet returned
+    pos: int = 0
 
     async def next(self) -> memoryview | None:
         """The next frame (None at a clean end, or when the connection was idle
         past its limit), its bytes taken from the listener's budget: the caller
         gives them back when the request is done. Before authentication a frame
         may be UNAUTHENTICATED_MAX_FRAME bytes at most."""
-        session = self._session
-        while len(self._data) - self._pos < 4:
+        session = self.session
+        while len(self.data) - self.pos < 4:
             try:
-                if not await self._read(self._idle):
-                    if len(self._data) > self._pos:
-                        raise ProtocolViolation(f"truncated size prefix ({len(self._data) - self._pos} bytes)")
+                if not await self._read():
+                    if len(self.data) > self.pos:
+                        raise ProtocolViolation(f"truncated size prefix ({len(self.data) - self.pos} bytes)")
                     return None
             except TimeoutError:
                 if session.in_flight == 0:
                     log.info("conn %d from %s: closing after %.0f s idle", session.conn, session.peer,
-                             self._limits.idle_timeout_s)
+                             self.limits.idle_timeout_s)
                     return None
-        (size,) = _SIZE.unpack_from(self._data, self._pos)
+        (size,) = _SIZE.unpack_from(self.data, self.pos)
         min_size = 1 if session.raw_tokens else 8
-        max_size = self._limits.max_request_bytes if session.authenticated else UNAUTHENTICATED_MAX_FRAME
+        max_size = self.limits.max_request_bytes if session.authenticated else UNAUTHENTICATED_MAX_FRAME
         if size < min_size or size > max_size:
             raise ProtocolViolation(f"frame size {size} outside [{min_size}, {max_size}]"
                                     + ("" if session.authenticated else " before authentication"))
-        await self._budget.take(size)
-        start = self._pos + 4
+        await self.budget.take(size)
+        start = self.pos + 4
         end = start + size
-        if end <= len(self._data):
-            self._pos = end
-            return memoryview(self._data[start:end])  # a copy: a request never holds the bytes read with it
-        head = self._data[start:]
-        self._data, self._pos = b"", 0
+        if end <= len(self.data):
+            self.pos = end
+            return memoryview(self.data[start:end])  # a copy: a request never holds the bytes read with it
+        head = self.data[start:]
+        self.data, self.pos = b"", 0
         try:
-            with self._body:
-                return memoryview(head + await self._reader.readexactly(size - len(head)))
+            with self.body:
+                return memoryview(head + await self.reader.readexactly(size - len(head)))
         except BaseException as exc:
-            self._budget.give(size)
+            self.budget.give(size)
             if isinstance(exc, TimeoutError):
                 raise ProtocolViolation(f"frame of {size} bytes not received within "
-                                        f"{self._limits.read_timeout_s:.0f} s") from None
+                                        f"{self.limits.read_timeout_s:.0f} s") from None
             if isinstance(exc, asyncio.IncompleteReadError):
                 raise ProtocolViolation(f"truncated frame: {len(head) + len(exc.partial)} of {size} bytes"
                                         ) from None
             raise
 
-    async def _read(self, deadline: _ReadDeadline) -> bool:
-        """Add what the stream holds next to the bytes not yet returned; False at its end."""
-        with deadline:
-            chunk = await self._reader.read(READ_CHUNK)
+    async def _read(self) -> bool:
+        """Add what the stream holds next to the bytes not yet returned (under
+        the idle limit: a frame's first bytes); False at its end."""
+        with self.idle:
+            chunk = await self.reader.read(READ_CHUNK)
         if not chunk:
             return False
-        rest = self._data[self._pos:]
-        self._data, self._pos = (rest + chunk if rest else chunk), 0
+        rest = self.data[self.pos:]
+        self.data, self.pos = (rest + chunk if rest else chunk), 0
         return True
 
 
