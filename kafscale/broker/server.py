@@ -17,6 +17,7 @@ import socket
 import ssl as ssl_mod
 import struct
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,60 @@ Forward = Callable[[RequestContext, memoryview], Awaitable[list[Any] | None]]
 # A request read and not yet answered, as the send loop gets it: its response's future and its header,
 # and for a direct request what to run if the future is cancelled (answer_directly's done).
 _Queued = tuple[asyncio.Future[list[Any] | None], RequestContext, Callable[[], None] | None]
+
+
+class _Answers:
+    """A connection's requests waiting for their responses, in the order they
+    came: its reader appends, its send loop takes from the front. The reader
+    waits (wait_room) while `limit` are waiting, which is how the in-flight
+    limit holds back reading. asyncio.Queue does this with a dozen Python
+    calls a request (its full/qsize/wakeup bookkeeping): here a request's
+    way through takes two and no coroutine unless one side has to wait."""
+
+    __slots__ = ("_getter", "_putter", "items", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.items: deque[_Queued | None] = deque()  # None: the reader is done, the send loop ends there
+        self.limit = limit
+        self._getter: asyncio.Future[None] | None = None  # the send loop waits for an item
+        self._putter: asyncio.Future[None] | None = None  # the reader waits for room
+
+    def put(self, item: _Queued | None) -> None:
+        """Append an item, even past the limit (the end marker always goes in)."""
+        self.items.append(item)
+        if (waiter := self._getter) is not None:
+            self._getter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def take(self) -> _Queued | None:
+        """The first item (there is one)."""
+        item = self.items.popleft()
+        if (waiter := self._putter) is not None and len(self.items) < self.limit:
+            self._putter = None
+            if not waiter.done():
+                waiter.set_result(None)
+        return item
+
+    def drain(self) -> list[_Queued | None]:
+        """Every item (the send loop ends): a reader waiting for room goes on."""
+        items = list(self.items)
+        self.items.clear()
+        if self._putter is not None and not self._putter.done():
+            self._putter.set_result(None)
+        return items
+
+    async def wait_room(self) -> None:
+        while len(self.items) >= self.limit:
+            self._putter = asyncio.get_running_loop().create_future()
+            await self._putter
+
+    async def wait_item(self) -> None:
+        while not self.items:
+            self._getter = asyncio.get_running_loop().create_future()
+            await self._getter
+
+
 # The on_sent list of the request being handled (see RequestContext.on_sent).
 ON_SENT: contextvars.ContextVar[list[Callable[[], None]]] = contextvars.ContextVar("on_sent")
 
@@ -412,7 +467,7 @@ class KafkaServer:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        queue: asyncio.Queue[_Queued | None] = asyncio.Queue(self.limits.in_flight)
+        queue = _Answers(self.limits.in_flight)
         sender = asyncio.create_task(self._send_loop(queue, writer, conn, peer))
         session = Session(conn, peer, authenticated=self.sasl is None,
                           client_host=f"/{peer[0]}" if isinstance(peer, tuple) else "")
@@ -421,6 +476,9 @@ class KafkaServer:
         frames = _FrameReader(reader, session, self.limits, self.budget, *deadlines)
         try:
             while not sender.done():
+                if len(queue.items) >= queue.limit:
+                    await queue.wait_room()
+                    continue
                 frame = await frames.next()
                 if frame is None:
                     break
@@ -444,7 +502,7 @@ class KafkaServer:
                 session.in_flight += 1  # (a direct request answered at once has taken 1 off already)
                 if direct is None:
                     task.add_done_callback(done)
-                await queue.put((task, hdr, done if direct is not None else None))
+                queue.put((task, hdr, done if direct is not None else None))
                 if hdr.api_key in _SASL_APIS:
                     await asyncio.wait([task])  # the next request must see the outcome
                     if session.closing:
@@ -459,10 +517,10 @@ class KafkaServer:
         finally:
             for d in deadlines:
                 d.close()
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(None)
+            queue.put(None)
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(sender, 30)
+            _drop(queue.drain())  # read while the send loop ended
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -562,7 +620,7 @@ class KafkaServer:
                     "auth_bytes": b""}
         return {"error_code": 0, "error_message": None, "auth_bytes": token, "session_lifetime_ms": 0}
 
-    async def _send_loop(self, queue: asyncio.Queue[_Queued | None],
+    async def _send_loop(self, queue: _Answers,
                          writer: asyncio.StreamWriter, conn: int, peer: Any) -> None:
         """Answer the connection's requests in the order it sent them. Small
         responses that are ready together (a node flush acknowledges many
@@ -573,11 +631,10 @@ class KafkaServer:
         ready = bytearray()  # small responses not written yet
         try:
             while True:
-                try:
-                    current = queue.get_nowait()
-                except asyncio.QueueEmpty:
+                if not queue.items:
                     await self._flush(writer, ready)
-                    current = await queue.get()
+                    await queue.wait_item()
+                current = queue.take()
                 if current is None:
                     await self._flush(writer, ready)
                     return
@@ -615,17 +672,7 @@ class KafkaServer:
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
-            # requests that will not be answered now still release what they hold
-            dropped = [current] if current is not None else []
-            while not queue.empty():
-                dropped.append(queue.get_nowait())
-            for item in dropped:
-                if item is not None:
-                    fut, hdr, done = item
-                    fut.cancel()
-                    if done is not None and fut.cancelled():  # never answered: answer_directly did not run it
-                        done()
-                    fut.add_done_callback(lambda _t, h=hdr: run_on_sent(h.on_sent))
+            _drop([current, *queue.drain()])
 
     async def _flush(self, writer: asyncio.StreamWriter, ready: bytearray) -> None:
         """Write (and empty) the buffer of small responses."""
@@ -665,6 +712,17 @@ def _count_request(api_key: int, started: float) -> None:
     count, seconds = _request_metrics(api_key)
     count.inc()
     seconds.observe(time.perf_counter() - started)
+
+
+def _drop(items: list[_Queued | None]) -> None:
+    """Requests that will not be answered now: they still release what they hold."""
+    for item in items:
+        if item is not None:
+            fut, hdr, done = item
+            fut.cancel()
+            if done is not None and fut.cancelled():  # never answered: answer_directly did not run it
+                done()
+            fut.add_done_callback(lambda _t, h=hdr: run_on_sent(h.on_sent))
 
 
 def run_on_sent(callbacks: list[Callable[[], None]]) -> None:

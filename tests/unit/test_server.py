@@ -7,6 +7,7 @@ others."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -172,6 +173,45 @@ def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_cod
             assert await asyncio.wait_for(reader.read(), 5) == b""  # 2 closes the connection; 3 is dropped
             writer.close()
             for _ in range(100):  # the connections' tasks end
+                if not server.budget.used:
+                    break
+                await asyncio.sleep(0.05)
+            assert server.budget.used == 0
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+def test_the_in_flight_limit_holds_back_reading() -> None:
+    """A connection with max in-flight requests unanswered is read no further
+    (one more is read: the send loop's, waiting for its answer) until
+    answers go out; then reading goes on, and every answer follows the
+    order of the requests."""
+    held: list[Respond] = []
+
+    def produce(hdr: RequestContext, req: dict[str, Any], respond: Respond) -> None:
+        held.append(functools.partial(respond, {"responses": [], "throttle_time_ms": 0}))
+
+    async def run() -> None:
+        limits = ConnectionLimits(1 << 20, 1 << 20, 3, read_timeout_s=5, idle_timeout_s=5, write_timeout_s=5)
+        server = KafkaServer({}, "127.0.0.1", 0, limits, direct={PRODUCE.key: produce})
+        await server.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"".join(encode_request(PRODUCE.key, 9, i, {
+                "transactional_id": None, "acks": -1, "timeout_ms": 1000, "topic_data": []}) for i in range(20)))
+            answers: list[int] = []
+            while len(answers) < 20:
+                await asyncio.sleep(0.1)
+                assert len(held) == min(4, 20 - len(answers))
+                answering, held[:] = list(held), []
+                for respond in answering:
+                    respond()
+                answers += [await asyncio.wait_for(_answer(reader), 5) for _ in answering]
+            assert answers == list(range(20))
+            writer.close()
+            for _ in range(100):  # the connection's task ends
                 if not server.budget.used:
                     break
                 await asyncio.sleep(0.05)
