@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,7 +17,7 @@ from kafscale.broker.partitions import PartitionRegistry
 from kafscale.broker.shm import SharedArea, SharedCache
 from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
-from kafscale.metadata.store import MetaStore
+from kafscale.metadata.store import MetaStore, SegmentManifest
 from kafscale.protocol.errors import ErrorCode
 from kafscale.records import decode_records
 from kafscale.storage import wal
@@ -25,7 +26,7 @@ from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
 from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE, topic_marker_key
-from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, by_partition, topic_marker
+from kafscale.storage.wal import Collector, NodeFlusher, Slice, WalIndex, by_partition, topic_marker
 from tests.unit.test_partition import TOPIC, DictCache, append, batch, run
 
 
@@ -866,3 +867,21 @@ def test_a_topic_marker_names_the_topic_open_here_and_a_recreated_topic_keeps_it
         await reg.close(drain_s=1)
 
     run(go())
+
+
+def test_a_directory_reads_back_as_the_slices_it_lists() -> None:
+    """A directory (written entry by entry, not by json.dumps) is JSON that
+    reads back as exactly the slices it lists: topic names that need
+    escaping, idempotent producers, a slice with no timestamps."""
+    topics = {"orders": b"\x01" * 16, 'we"ird\\name\u00e9': b"\x02" * 16}
+    slices, expected = [], []
+    for i in range(6):
+        topic = list(topics)[i % 2]
+        m = SegmentManifest(100 * i, 100 * i + 9, 10, 700, -1 if i == 3 else 1_700_000_000_000 + i,
+                            -1 if i == 3 else 1_700_000_000_500, "ns/wal/1-f/000000000007", 1_700_000_001_000,
+                            {"42": [1, [[0, 9, 100 * i]]]} if i % 3 == 0 else {}, 700 * i)
+        slices.append(Slice(SimpleNamespace(topic=topic, partition=i), [], None, m))  # type: ignore[arg-type]
+        expected.append((topic, topics[topic].hex(), i, m))
+    raw = wal.directory("ns/wal/1-f/000000000007", 1_700_000_001_000, slices, topics)
+    assert json.loads(raw)["created_ms"] == 1_700_000_001_000
+    assert wal.slice_manifests(raw) == ("ns/wal/1-f/000000000007", expected)
