@@ -268,6 +268,7 @@ class Run:
     failed: int
     seconds: float  # first record offered to last one acknowledged
     puts: float
+    gets: float  # the compaction reading back slices the cache no longer held (no consumer reads)
     txns: float
     keys: float
     db_mib: float
@@ -400,7 +401,8 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     return Run(mode, rnd, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"] - len(probe.puts),
-               end["txns"] - start["txns"] - len(probe.txns), end["keys"] - start["keys"], end["db"] / (1 << 20),
+               end["gets"] - start["gets"], end["txns"] - start["txns"] - len(probe.txns), end["keys"] - start["keys"],
+               end["db"] / (1 << 20),
                lat, cpu.cores["broker"], {k: cpu.cores[k] for k in ("log process", "workers", "SeaweedFS", "etcd")},
                cpu.cores["bench client"], machine, peak, idle, open_s, broker_ms, etcd_ms,
                requests, compacted, pct(probe.puts, 0.99), pct(probe.txns, 0.99), reference)
@@ -426,8 +428,8 @@ def report(runs: list[Run], idle_bound: float) -> None:
                   f"{cell(r.peak_rss_mib, base.peak_rss_mib):>14} {r.keys:>11.0f} {r.idle_kib_per_partition:>10.1f} "
                   f"{r.open_s:>7.1f} {cell(r.compacted_s, base.compacted_s, '.1f'):>15}")
             stages = ", ".join(f"{col} {p50:g}/{p99:g}/{top:g}" for col, (p50, p99, top) in r.broker_ms.items())
-            print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s; p50/p99/max ms: "
-                  f"{stages}")
+            print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s, {r.per_s('gets'):.0f} "
+                  f"S3 GETs/s; p50/p99/max ms: {stages}")
             disk = ", ".join(f"{col} {p99:g}/{top:g}" for col, (_, p99, top) in r.etcd_ms.items())
             of = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_of.items())
             print(f"       CPU cores: broker {r.cpu:.2f} ({of}), the producer {r.client_cpu:.2f}, the whole machine "
