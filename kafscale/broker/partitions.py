@@ -657,7 +657,8 @@ def compaction_batches(due: list[PartitionLog], shared: bool) -> list[tuple[list
     log whose segment would be larger than SHARED_SEGMENT_BYTES alone, the
     others in shared objects of about equal size, each of at most
     SHARED_PARTITIONS partitions and about SHARED_OBJECT_BYTES (a group of
-    one too: its segment is merged later like the others)."""
+    one too: its segment is merged later like the others), each a run of
+    neighbouring partitions."""
     out: list[tuple[list[PartitionLog], bool]] = []
     small: list[tuple[PartitionLog, int]] = []
     for lg in due:
@@ -666,6 +667,7 @@ def compaction_batches(due: list[PartitionLog], shared: bool) -> list[tuple[list
             out.append(([lg], False))
         else:
             small.append((lg, n))
+    small.sort(key=lambda t: (t[0].topic, t[0].partition))  # neighbours share an object (shared.SliceReads)
     groups = max(math.ceil(len(small) / SHARED_PARTITIONS),
                  math.ceil(sum(n for _, n in small) / SHARED_OBJECT_BYTES))
     per = math.ceil(len(small) / groups) if small else 0

@@ -25,7 +25,7 @@ class CachedSegment:
         return cls(seg.data, seg.batch_bases, seg.positions)
 
     @classmethod
-    def from_object(cls, data: bytes) -> CachedSegment:
+    def from_object(cls, data: bytes | memoryview) -> CachedSegment:
         _, body, _ = open_segment(data)
         infos = _native.scan_batches(body)
         return cls(data, [b.base_offset for b in infos], [HEADER_SIZE + b.position for b in infos])

@@ -364,11 +364,19 @@ class PartitionLog(LogReader):
             size += m.size
         return taken[::-1]
 
-    async def compaction(self, merge_limit: int = 0, most_merged: int = 0) -> Compaction | None:
+    def uncached_slices(self) -> list[SegmentManifest]:
+        """The slices the next compaction takes that the cache no longer holds (it reads them from S3)."""
+        return [m for m in self._to_compact() if not self.cache.holds(m.ref)]
+
+    async def compaction(self, merge_limit: int = 0, most_merged: int = 0,
+                         read_slice: Callable[[SegmentManifest], Awaitable[memoryview | None]] | None = None
+                         ) -> Compaction | None:
         """The committed slices the next compaction takes (oldest first, up to
         segment.bytes), the compacted segments it merges with them (to_merge;
         none without merge_limit) and the segment built of both; None with
-        nothing to do."""
+        nothing to do. What the cache no longer holds is read from S3: through
+        read_slice if it has it (a shared compaction reads its partitions'
+        slices together), else with a GET each."""
         slices = self._to_compact()
         if not slices or self.closed:
             return None
@@ -393,7 +401,9 @@ class PartitionLog(LogReader):
 
         async def read(i: int) -> None:
             async with reads:
-                keep(i, await self.whole(taken[i], keep=False))  # one ranged GET
+                data = None if read_slice is None else await read_slice(taken[i])
+                keep(i, CachedSegment.from_object(data) if data is not None
+                     else await self.whole(taken[i], keep=False))  # one ranged GET
 
         await asyncio.gather(*(read(i) for i in missed))
         return merged, slices, build_segment(parts, int(time.time() * 1000))

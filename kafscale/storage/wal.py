@@ -426,7 +426,9 @@ class NodeFlusher:
             if self._failed is not None:
                 raise self._failed
             slices, pos = [], 0
-            for lg, items in taken:
+            # in partition order: a shared compaction of neighbouring partitions that has to read their
+            # slices back from S3 finds them side by side, one ranged GET an object (shared.SliceReads)
+            for lg, items in sorted(taken, key=lambda t: (t[0].topic, t[0].partition)):
                 seg = build_segment([(p.payload, p.base) for p in items], created)
                 for p in items:
                     p.done_with_payload()

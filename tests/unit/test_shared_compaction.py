@@ -11,6 +11,7 @@ import json
 import random
 
 from kafscale import _native
+from kafscale.broker.partitions import compaction_batches
 from kafscale.storage import scan
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import ReadBudget
@@ -21,6 +22,7 @@ from kafscale.storage.wal import (
     NodeFlusher,
     SharedRanges,
     merged_away,
+    node_prefix,
     shared_prefix,
     summary,
     summary_slices,
@@ -305,3 +307,49 @@ def test_a_directory_summary_keeps_its_slices_in_one_bytes_object():
     assert list(summary_slices(s)) == slices
     tracked = [o for o in gc.get_referents(s) if gc.is_tracked(o)]
     assert tracked == [s[2]] and len(s[2]) == 2  # the topics, (name, id hex) each
+
+
+def test_slices_the_cache_lost_are_read_back_one_get_a_node_object():
+    """A shared compaction whose slices the cache no longer holds reads each
+    node object's slices of its partitions in one ranged GET, not one GET a
+    slice: node objects lay out slices in partition order, so a group of
+    neighbouring partitions finds its slices side by side even among the
+    slices of many other partitions (each 20 KiB here: a run reaches over
+    gaps of up to RUN_GAP_BYTES only)."""
+    async def go():
+        n = Node()
+        flusher, logs = await n.start(partitions=40)
+        queued = random.sample(logs, len(logs))  # appended (and queued) in no partition order
+        for r in range(3):
+            await asyncio.gather(*(append(lg, batch(b"p%d-r%d-" % (lg.partition, r) + b"x" * 20_000))
+                                   for lg in queued))
+        node_objects = [k for k in n.store.objects if k.startswith(node_prefix("unit"))]
+        flusher.cache.segments.clear()  # every slice evicted
+        gets = n.store.requests["get"]
+        assert await share(n, flusher, logs[10:20]) == 10
+        assert n.store.requests["get"] - gets == len(node_objects) < 10
+        for lg in logs[10:20]:
+            assert await values(lg) == [b"p%d-r%d-" % (lg.partition, r) + b"x" * 20_000 for r in range(3)]
+        await flusher.stop()
+
+    run(go())
+
+
+def test_shared_compactions_take_neighbouring_partitions():
+    """However the due partitions are ordered, each shared compaction takes a
+    run of neighbours (whose slices lie side by side in node objects)."""
+    class Small:  # a due log whose compaction is small and merges nothing
+        def __init__(self, p: int) -> None:
+            self.topic, self.partition = TOPIC, p
+
+        def compaction_bytes(self) -> int:
+            return 1000
+
+        def to_merge(self, *_: int) -> list[object]:
+            return []
+
+    batches = compaction_batches([Small(p) for p in random.sample(range(100), 100)], True)  # type: ignore[misc]
+    groups = [[lg.partition for lg in logs] for logs, shared in batches if shared]
+    assert len(groups) == len(batches) > 1
+    assert sorted(p for g in groups for p in g) == list(range(100))
+    assert all(g == list(range(g[0], g[0] + len(g))) for g in groups)
