@@ -193,6 +193,10 @@ SCAN_PAGE = 1000  # keys per etcd range read in MetaStore.scan
 SCAN_TURN = 100  # keys MetaStore.scan hands out before it lets other work run
 WAL_SCAN_PAGE = 50  # node object directories are larger: fewer per range read
 WAL_GETS = 32  # more new directories than this are read by a scan, not one get each
+# the largest etcd reply the client takes (gRPC's default, 4 MiB, is less than one page of node object
+# directories at 1,000 partitions: about 95 KB each, 50 a page; each directory was committed within
+# etcd's 1.5 MiB request limit, so a page is at most 75 MiB)
+ETCD_MAX_REPLY_BYTES = 256 << 20
 CAS_ATTEMPTS = 50  # a compare-and-swap that keeps losing to other writers gives up after this many tries
 
 
@@ -245,12 +249,13 @@ class MetaStore:
         return store
 
     def _client(self, host: str, port: int) -> Any:
+        options = {"grpc.max_receive_message_length": ETCD_MAX_REPLY_BYTES}
         if self.tls is None:
-            return EtcdClient(host=host, port=port, timeout=10, **self.credentials)
+            return EtcdClient(host=host, port=port, timeout=10, options=options, **self.credentials)
         from kafscale.metadata.etcd_client import TlsEtcdClient, tls_credentials
 
-        return TlsEtcdClient(host=host, port=port, timeout=10, credentials=tls_credentials(*self.tls),
-                             **self.credentials)
+        return TlsEtcdClient(host=host, port=port, timeout=10, options=options,
+                             credentials=tls_credentials(*self.tls), **self.credentials)
 
     async def start(self) -> None:
         """Connect to the first endpoint that answers (fail fast if none does)."""
