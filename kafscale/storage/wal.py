@@ -53,7 +53,10 @@ NODE_TRAILER = struct.Struct(">II")  # directory length, magic
 MAX_SLICES = 1000  # partitions in one node object (bounds the directory kept in etcd)
 MAX_UPLOADS = 4  # node objects uploading at once
 MAX_UNCOMMITTED = 8  # node objects built and not yet committed (bounds their memory); also the most one
-# transaction commits (their directories hold at most MAX_SLICES slices each: well under etcd's request limit)
+# transaction commits
+# directory bytes one transaction commits at most (one directory always goes): etcd refuses a request
+# over 1.5 MiB, and a directory of MAX_SLICES slices of a topic with a long name is 300 KB and more
+COMMIT_BYTES = 1 << 20
 GRACE_S = 60.0  # a forgotten node object is deleted this long after (readers in flight finish)
 # objects in one DeleteObjects request of a collector pass; a pass's requests are spread over the time to the
 # next one. SeaweedFS spends about 1 ms of CPU on each object deleted: the 350 node objects a pass forgets at
@@ -468,8 +471,11 @@ class NodeFlusher:
         a failed commit fails every object of this fence after it too."""
         fence = self.fence
         while self.fence == fence and (first := self._committed + 1) in self._uploaded:
-            group = []
+            group, size = [], 0
             while (seq := first + len(group)) in self._uploaded and len(group) < MAX_UNCOMMITTED:
+                size += len(self._uploaded[seq][0])
+                if group and size > COMMIT_BYTES:
+                    break
                 group.append((seq, self._uploaded.pop(seq)))
             keys = f"{node_key(self.cfg.namespace, fence, first)}..{group[-1][0]}"
 

@@ -118,6 +118,29 @@ def test_objects_uploaded_during_a_slow_commit_commit_together_in_order():
     run(go())
 
 
+def test_one_transaction_commits_at_most_commit_bytes_of_directories(monkeypatch: pytest.MonkeyPatch):
+    """Objects uploaded behind a slow commit go together only while their
+    directories fit COMMIT_BYTES (etcd refuses larger requests, and retrying
+    one would hold every producer); a larger directory still goes, alone."""
+    async def go():
+        n = Node()
+        flusher, (p0, p1) = await n.start()
+        n.gate.clear()
+        first = append(p0, batch(b"a"))
+        await n.until(lambda: n.commits == [[1]])
+        later = [append(p0, batch(b"b")), append(p1, batch(b"c"))]
+        await n.until(lambda: n.uploaded() == 2)
+        later.append(append(p1, batch(b"d")))
+        await n.until(lambda: n.uploaded() == 3)
+        n.gate.set()
+        assert await asyncio.gather(first, *later) == [0, 1, 0, 1]
+        assert n.commits == [[1], [2], [3]], "each directory alone: two do not fit"
+        await flusher.stop()
+
+    monkeypatch.setattr(wal, "COMMIT_BYTES", 100)  # less than two directories, less than one too
+    run(go())
+
+
 def test_a_batch_goes_at_once_with_nothing_under_way_and_gathers_for_the_linger_behind_an_object():
     """With no node object uploading or committing, a batch is cut at once,
     also right after the one before (a client waiting for each
