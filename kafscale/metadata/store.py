@@ -288,8 +288,8 @@ class MetaStore:
                    start: bytes | None = None, end: bytes | None = None) -> AsyncIterator[Any]:
         """Every key-value under prefix (from start, before end, where given),
         read in pages of `page` keys at one revision: a range that grows (a
-        partition's segment manifests, all the offsets) never needs one reply
-        larger than etcd's 4 MiB gRPC limit. Other work runs every SCAN_TURN
+        partition's segment manifests, all the offsets) is read in replies of
+        a bounded size (see ETCD_MAX_REPLY_BYTES). Other work runs every SCAN_TURN
         keys: a caller parsing a page of 1,000 partition states held the event
         loop for over 10 ms."""
         start, end, revision = start or prefix, end or prefix_range_end(prefix), 0
