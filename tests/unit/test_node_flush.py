@@ -95,7 +95,15 @@ class Node:
         raise AssertionError("not reached within 5 s")
 
 
-def test_objects_uploaded_during_a_slow_commit_commit_together_in_order():
+@pytest.mark.parametrize("commit_bytes, commits", [
+    (wal.COMMIT_BYTES, [[1], [2, 3]]),  # the two objects uploaded meanwhile: one transaction
+    (100, [[1], [2], [3]]),  # less than two directories (less than one too): each alone, in order
+])
+def test_objects_uploaded_during_a_slow_commit_commit_together_in_order(
+        monkeypatch: pytest.MonkeyPatch, commit_bytes: int, commits: list[list[int]]):
+    """Objects uploaded behind a slow commit commit together, in order, while
+    their directories fit COMMIT_BYTES (etcd refuses larger requests, and
+    retrying one would hold every producer); a larger directory goes alone."""
     async def go():
         n = Node()
         flusher, (p0, p1) = await n.start()
@@ -111,33 +119,11 @@ def test_objects_uploaded_during_a_slow_commit_commit_together_in_order():
         assert n.commits == [[1]], "objects behind a commit under way wait for it"
         n.gate.set()
         assert await asyncio.gather(first, *later) == [0, 1, 0, 1]
-        assert n.commits == [[1], [2, 3]], "the two objects uploaded meanwhile: one transaction"
+        assert n.commits == commits
         assert len(await n.meta.wal_keys()) == 3 and (p0.hw, p1.hw) == (2, 2)
         await flusher.stop()
 
-    run(go())
-
-
-def test_one_transaction_commits_at_most_commit_bytes_of_directories(monkeypatch: pytest.MonkeyPatch):
-    """Objects uploaded behind a slow commit go together only while their
-    directories fit COMMIT_BYTES (etcd refuses larger requests, and retrying
-    one would hold every producer); a larger directory still goes, alone."""
-    async def go():
-        n = Node()
-        flusher, (p0, p1) = await n.start()
-        n.gate.clear()
-        first = append(p0, batch(b"a"))
-        await n.until(lambda: n.commits == [[1]])
-        later = [append(p0, batch(b"b")), append(p1, batch(b"c"))]
-        await n.until(lambda: n.uploaded() == 2)
-        later.append(append(p1, batch(b"d")))
-        await n.until(lambda: n.uploaded() == 3)
-        n.gate.set()
-        assert await asyncio.gather(first, *later) == [0, 1, 0, 1]
-        assert n.commits == [[1], [2], [3]], "each directory alone: two do not fit"
-        await flusher.stop()
-
-    monkeypatch.setattr(wal, "COMMIT_BYTES", 100)  # less than two directories, less than one too
+    monkeypatch.setattr(wal, "COMMIT_BYTES", commit_bytes)
     run(go())
 
 

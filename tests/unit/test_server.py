@@ -50,6 +50,15 @@ async def _closed_after(reader: asyncio.StreamReader) -> float:
     return time.monotonic() - t
 
 
+async def _budget_given_back(server: KafkaServer) -> None:
+    """Once the connections' tasks end, every request's bytes are back in the listener's budget."""
+    for _ in range(100):
+        if not server.budget.used:
+            break
+        await asyncio.sleep(0.05)
+    assert server.budget.used == 0
+
+
 def _on_a_connection(check: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
                      slow_s: float = 0) -> None:
     """Run check on a connection to a fresh listener."""
@@ -172,11 +181,7 @@ def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_cod
             assert struct.unpack_from(">i", await reader.readexactly(size))[0] == 1
             assert await asyncio.wait_for(reader.read(), 5) == b""  # 2 closes the connection; 3 is dropped
             writer.close()
-            for _ in range(100):  # the connections' tasks end
-                if not server.budget.used:
-                    break
-                await asyncio.sleep(0.05)
-            assert server.budget.used == 0
+            await _budget_given_back(server)
         finally:
             await server.close()
 
@@ -211,11 +216,7 @@ def test_the_in_flight_limit_holds_back_reading() -> None:
                 answers += [await asyncio.wait_for(_answer(reader), 5) for _ in answering]
             assert answers == list(range(20))
             writer.close()
-            for _ in range(100):  # the connection's task ends
-                if not server.budget.used:
-                    break
-                await asyncio.sleep(0.05)
-            assert server.budget.used == 0
+            await _budget_given_back(server)
         finally:
             await server.close()
 
