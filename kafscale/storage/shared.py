@@ -53,18 +53,22 @@ log = logging.getLogger(__name__)
 SHARED_SEGMENT_BYTES = 1 << 20  # a compaction of at most this many bytes goes into a shared object
 SHARED_OBJECT_BYTES = 8 << 20  # a shared object is cut at about this size (or SHARED_PARTITIONS partitions)
 RUN_GAP_BYTES = 64 << 10  # slices of one object at most this far apart are read in one GET (SliceReads)
+RUN_SPAN_FACTOR = 4  # ... while the GET's range stays within this many times their bytes
 
 
 class SliceReads:
     """The slices that a shared compaction's partitions take and the cache
     no longer holds, read from S3 in runs: the slices of one object that lie
     at most RUN_GAP_BYTES apart come in one ranged GET, the first time a
-    compaction asks for any of them. Node objects lay out their slices in
-    partition order and a shared compaction takes neighbouring partitions,
-    so its slices of each node object are one run: one GET an object, where
-    a GET a slice made compaction that fell behind the cache (at 1,000
-    partitions and 20,000 records/s) fall further behind, a GET a record.
-    A run's bytes are let go once each of its slices was read."""
+    compaction asks for any of them, as long as the range is at most
+    RUN_SPAN_FACTOR times their bytes (what a run holds of other slices is
+    bounded: the group's compactions take their slices one partition after
+    another, so a run's bytes stay until its last slice is read). Node
+    objects lay out their slices in partition order and a shared compaction
+    takes neighbouring partitions, so its slices of each node object are
+    usually one run: one GET an object, where a GET a slice made compaction
+    that fell behind the cache (at 1,000 partitions and 20,000 records/s)
+    fall further behind, a GET a record."""
 
     def __init__(self, store: ObjectStore, wanted: list[SegmentManifest]) -> None:
         self.store = store
@@ -77,12 +81,14 @@ class SliceReads:
                 by_object.setdefault(m.key, []).append(m)
         for ms in by_object.values():
             ms.sort(key=lambda m: m.pos)
-            run = [ms[0]]
+            run, held = [ms[0]], ms[0].size
             for m in ms[1:]:
-                if m.pos - (run[-1].pos + run[-1].size) > RUN_GAP_BYTES:
+                if (m.pos - (run[-1].pos + run[-1].size) > RUN_GAP_BYTES
+                        or m.pos + m.size - run[0].pos > RUN_SPAN_FACTOR * (held + m.size)):
                     self._add(run)
-                    run = []
+                    run, held = [], 0
                 run.append(m)
+                held += m.size
             self._add(run)
 
     def _add(self, run: list[SegmentManifest]) -> None:

@@ -12,11 +12,13 @@ import random
 
 from kafscale import _native
 from kafscale.broker.partitions import compaction_batches
+from kafscale.metadata.store import SegmentManifest
 from kafscale.storage import scan
+from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import ReadBudget
 from kafscale.storage.segment import build_segment, segment_key
-from kafscale.storage.shared import compact_shared
+from kafscale.storage.shared import SliceReads, compact_shared
 from kafscale.storage.wal import (
     Collector,
     NodeFlusher,
@@ -353,3 +355,31 @@ def test_shared_compactions_take_neighbouring_partitions():
     assert len(groups) == len(batches) > 1
     assert sorted(p for g in groups for p in g) == list(range(100))
     assert all(g == list(range(g[0], g[0] + len(g))) for g in groups)
+
+
+def test_slice_reads_join_slices_into_runs_within_their_limits():
+    """Slices of one object are read together while the gaps between them
+    are at most RUN_GAP_BYTES and the range at most RUN_SPAN_FACTOR times
+    their bytes; each gets exactly its own bytes, and a slice not planned
+    gets None (its compaction reads it alone)."""
+    async def go():
+        store = MemoryObjectStore()
+        body = bytes(random.getrandbits(8) for _ in range(300_000))
+        await store.put("node", body)
+        await store.put("other", body)
+
+        def sl(key: str, pos: int, size: int) -> SegmentManifest:
+            return SegmentManifest(pos, pos, 1, size, 0, 0, key, 0, {}, pos)
+
+        together = [sl("node", 0, 1000), sl("node", 1000, 1000), sl("node", 3000, 2000)]  # 4,000 B in 5,000
+        sparse = sl("node", 20_000, 100)  # with the three: 4,100 B in 20,100, past four times their bytes
+        far = sl("node", 200_000, 50_000)  # more than RUN_GAP_BYTES on
+        elsewhere = sl("other", 0, 10)
+        reads = SliceReads(store, [far, *together, sparse, elsewhere])
+        got = [await reads.get(m) for m in [*together, sparse, far, elsewhere]]
+        assert [bytes(g) for g in got] == [body[m.pos:m.pos + m.size]
+                                           for m in [*together, sparse, far, elsewhere]]
+        assert store.requests["get"] == 4, "the three together in one GET, each of the others alone"
+        assert await reads.get(sl("node", 5000, 10)) is None
+
+    run(go())
