@@ -70,26 +70,35 @@ class SliceReads:
     that fell behind the cache (at 1,000 partitions and 20,000 records/s)
     fall further behind, a GET a record."""
 
-    def __init__(self, store: ObjectStore, wanted: list[SegmentManifest]) -> None:
+    def __init__(self, store: ObjectStore) -> None:
         self.store = store
+        self._wanted: dict[str, list[SegmentManifest]] = {}  # object key -> its wanted slices, not in runs yet
         self._run_of: dict[str, tuple[str, int, int]] = {}  # slice ref -> its run: object key, start, end
         self._left: dict[tuple[str, int, int], int] = {}  # run -> its slices not read yet
         self._reads: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
-        by_object: dict[str, list[SegmentManifest]] = {}
-        for m in wanted:
+
+    def want(self, slices: list[SegmentManifest]) -> None:
+        """Slices a compaction of the group will ask for (those in node objects count)."""
+        for m in slices:
             if m.pos >= 0:
-                by_object.setdefault(m.key, []).append(m)
-        for ms in by_object.values():
-            ms.sort(key=lambda m: m.pos)
-            run, held = [ms[0]], ms[0].size
-            for m in ms[1:]:
-                if (m.pos - (run[-1].pos + run[-1].size) > RUN_GAP_BYTES
-                        or m.pos + m.size - run[0].pos > RUN_SPAN_FACTOR * (held + m.size)):
-                    self._add(run)
-                    run, held = [], 0
-                run.append(m)
-                held += m.size
-            self._add(run)
+                self._wanted.setdefault(m.key, []).append(m)
+
+    def _plan(self, key: str) -> None:
+        """The runs of an object's wanted slices, when the first of them is asked
+        for (at 1,000 partitions a group's backlog is tens of thousands of
+        slices: planning them all at once held the event loop)."""
+        ms = sorted(self._wanted.pop(key, ()), key=lambda m: m.pos)
+        if not ms:
+            return
+        run, held = [ms[0]], ms[0].size
+        for m in ms[1:]:
+            if (m.pos - (run[-1].pos + run[-1].size) > RUN_GAP_BYTES
+                    or m.pos + m.size - run[0].pos > RUN_SPAN_FACTOR * (held + m.size)):
+                self._add(run)
+                run, held = [], 0
+            run.append(m)
+            held += m.size
+        self._add(run)
 
     def _add(self, run: list[SegmentManifest]) -> None:
         span = (run[0].key, run[0].pos, run[-1].pos + run[-1].size)
@@ -99,6 +108,8 @@ class SliceReads:
 
     async def get(self, m: SegmentManifest) -> memoryview | None:
         """The slice's bytes (None: not one of the wanted slices)."""
+        if m.key in self._wanted:
+            self._plan(m.key)
         span = self._run_of.pop(m.ref, None)
         if span is None:
             return None
@@ -125,7 +136,10 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
     ids: dict[str, bytes] = {}
     spare = TXN_MAX_OPS - 1 - 2 * len(logs)  # the transaction's operations left for merged manifests' deletes
     pos = 0
-    reads = SliceReads(store, [m for lg in logs for m in lg.uncached_slices()])
+    reads = SliceReads(store)
+    for lg in logs:
+        reads.want(lg.uncached_slices())
+        await asyncio.sleep(0)
     for lg in logs:
         tid = topic_id(lg.topic)
         built = await lg.compaction(SHARED_SEGMENT_BYTES, spare + 1, reads.get)
