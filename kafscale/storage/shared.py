@@ -70,18 +70,24 @@ class SliceReads:
     that fell behind the cache (at 1,000 partitions and 20,000 records/s)
     fall further behind, a GET a record."""
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, logs: list[PartitionLog]) -> None:
         self.store = store
+        self._logs = logs
+        self._gathered: asyncio.Future[None] | None = None  # the group's uncached slices listed (at the first miss)
         self._wanted: dict[str, list[SegmentManifest]] = {}  # object key -> its wanted slices, not in runs yet
         self._run_of: dict[str, tuple[str, int, int]] = {}  # slice ref -> its run: object key, start, end
         self._left: dict[tuple[str, int, int], int] = {}  # run -> its slices not read yet
         self._reads: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
 
-    def want(self, slices: list[SegmentManifest]) -> None:
-        """Slices a compaction of the group will ask for (those in node objects count)."""
-        for m in slices:
-            if m.pos >= 0:
-                self._wanted.setdefault(m.key, []).append(m)
+    async def _gather(self) -> None:
+        """List the slices the group's compactions will ask for, one partition a
+        loop pass, once one of them misses the cache: a group whose slices are
+        all cached costs no second pass over them."""
+        for lg in self._logs:
+            for m in lg.uncached_slices():
+                if m.pos >= 0:  # in a node object
+                    self._wanted.setdefault(m.key, []).append(m)
+            await asyncio.sleep(0)
 
     def _plan(self, key: str) -> None:
         """The runs of an object's wanted slices, when the first of them is asked
@@ -108,6 +114,9 @@ class SliceReads:
 
     async def get(self, m: SegmentManifest) -> memoryview | None:
         """The slice's bytes (None: not one of the wanted slices)."""
+        if self._gathered is None:
+            self._gathered = asyncio.ensure_future(self._gather())
+        await self._gathered
         if m.key in self._wanted:
             self._plan(m.key)
         span = self._run_of.pop(m.ref, None)
@@ -136,10 +145,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
     ids: dict[str, bytes] = {}
     spare = TXN_MAX_OPS - 1 - 2 * len(logs)  # the transaction's operations left for merged manifests' deletes
     pos = 0
-    reads = SliceReads(store)
-    for lg in logs:
-        reads.want(lg.uncached_slices())
-        await asyncio.sleep(0)
+    reads = SliceReads(store, logs)
     for lg in logs:
         tid = topic_id(lg.topic)
         built = await lg.compaction(SHARED_SEGMENT_BYTES, spare + 1, reads.get)

@@ -375,8 +375,11 @@ def test_slice_reads_join_slices_into_runs_within_their_limits():
         sparse = sl("node", 20_000, 100)  # with the three: 4,100 B in 20,100, past four times their bytes
         far = sl("node", 200_000, 50_000)  # more than RUN_GAP_BYTES on
         elsewhere = sl("other", 0, 10)
-        reads = SliceReads(store)
-        reads.want([far, *together, sparse, elsewhere])
+        class Log:  # a partition of the group, these slices not cached
+            def uncached_slices(self) -> list[SegmentManifest]:
+                return [far, *together, sparse, elsewhere]
+
+        reads = SliceReads(store, [Log()])  # type: ignore[list-item]
         got = [await reads.get(m) for m in [*together, sparse, far, elsewhere]]
         assert [bytes(g) for g in got] == [body[m.pos:m.pos + m.size]
                                            for m in [*together, sparse, far, elsewhere]]
