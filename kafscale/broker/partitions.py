@@ -44,7 +44,7 @@ from kafscale.storage.partition import LogError, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
 from kafscale.storage.segment import topic_marker_key
 from kafscale.storage.shared import SHARED_OBJECT_BYTES, SHARED_SEGMENT_BYTES, compact_shared
-from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, in_turns, retry, topic_marker
+from kafscale.storage.wal import Collector, NodeFlusher, WalIndex, in_turns, layout_order, retry, topic_marker
 
 log = logging.getLogger(__name__)
 
@@ -667,7 +667,7 @@ def compaction_batches(due: list[PartitionLog], shared: bool) -> list[tuple[list
             out.append(([lg], False))
         else:
             small.append((lg, n))
-    small.sort(key=lambda t: (t[0].topic, t[0].partition))  # neighbours share an object (shared.SliceReads)
+    small.sort(key=lambda t: layout_order(t[0]))  # neighbours share an object
     groups = max(math.ceil(len(small) / SHARED_PARTITIONS),
                  math.ceil(sum(n for _, n in small) / SHARED_OBJECT_BYTES))
     per = math.ceil(len(small) / groups) if small else 0

@@ -121,6 +121,14 @@ def directory(key: str, created_ms: int, slices: list[Slice], topic_ids: dict[st
     return f'{{"key":{_dumps(key)},"created_ms":{created_ms},"slices":[{",".join(entries)}]}}'.encode()
 
 
+def layout_order(lg: PartitionLog) -> tuple[str, int]:
+    """The order of partitions' slices in a node object, and of the neighbours
+    a shared compaction takes: its slices of each node object then lie side
+    by side, one ranged GET an object when they must be read back from S3
+    (shared.SliceReads)."""
+    return lg.topic, lg.partition
+
+
 def object_body(slices: list[Slice], dir_raw: bytes) -> bytearray:
     """A node object (or shared segment object): its slices back to back, the directory, the trailer."""
     return bytearray().join([*(s.seg.data for s in slices), dir_raw, NODE_TRAILER.pack(len(dir_raw), NODE_MAGIC)])
@@ -429,9 +437,7 @@ class NodeFlusher:
             if self._failed is not None:
                 raise self._failed
             slices, pos = [], 0
-            # in partition order: a shared compaction of neighbouring partitions that has to read their
-            # slices back from S3 finds them side by side, one ranged GET an object (shared.SliceReads)
-            for lg, items in sorted(taken, key=lambda t: (t[0].topic, t[0].partition)):
+            for lg, items in sorted(taken, key=lambda t: layout_order(t[0])):
                 seg = build_segment([(p.payload, p.base) for p in items], created)
                 for p in items:
                     p.done_with_payload()
