@@ -10,12 +10,13 @@ system call costs more than an instruction, so confirm a large change with
 the CPU-time benches too.
 
     python -m bench.instructions listener
-    python -m bench.instructions logproc
+    python -m bench.instructions logproc [--partitions 10000 --calls 5]
 
 Runs `python -m bench.<name> --requests N --runs 1` under cachegrind at
 two request counts and prints the busiest process's extra instructions
 divided by the extra requests it handled: start-up, imports and warm-up
-cancel out. Takes about a minute a bench. Needs valgrind (Debian:
+cancel out. Options it does not know go to the bench (bench/logproc.py's
+--partitions and --calls). Takes about a minute a bench. Needs valgrind (Debian:
 `apt-get install valgrind`).
 """
 from __future__ import annotations
@@ -32,12 +33,12 @@ import tempfile
 HANDLED = {"listener": 2, "logproc": 1}
 
 
-def instructions(bench: str, requests: int) -> int:
-    """The instructions of the busiest process of one run of the bench."""
+def instructions(bench: str, requests: int, options: list[str]) -> int:
+    """The instructions of the busiest process of one run of the bench (with these options)."""
     with tempfile.TemporaryDirectory(prefix="kafscale-cachegrind-") as out:
         subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--trace-children=yes",
                         f"--cachegrind-out-file={out}/cg.%p", sys.executable, "-m", f"bench.{bench}",
-                        "--requests", str(requests), "--runs", "1"],
+                        "--requests", str(requests), "--runs", "1", *options],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=os.getcwd())
         counts = []
         for path in glob.glob(f"{out}/cg.*"):
@@ -50,9 +51,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bench", choices=sorted(HANDLED))
     ap.add_argument("--requests", type=int, nargs=2, default=[5000, 15000], metavar=("FEWER", "MORE"))
-    args = ap.parse_args()
+    args, options = ap.parse_known_args()
     fewer, more = args.requests
-    extra = instructions(args.bench, more) - instructions(args.bench, fewer)
+    extra = instructions(args.bench, more, options) - instructions(args.bench, fewer, options)
     print(f"{args.bench}: {extra / (HANDLED[args.bench] * (more - fewer)):,.0f} instructions per Produce request")
 
 

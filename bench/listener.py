@@ -112,16 +112,21 @@ def send(port: int, requests: int) -> None:
             answered = received // response_size
 
 
-def per_request_runs(doc: str, one_run: Callable[[int], float], what: str) -> None:
-    """A per-request bench's command line (--requests, --runs): one_run(requests)
+def per_request_runs(doc: str, one_run: Callable[..., float], what: str,
+                     options: dict[str, tuple[int, str]] | None = None) -> None:
+    """A per-request bench's command line (--requests, --runs, and its own
+    integer options: name -> default, help): one_run(requests, **options)
     (µs of CPU per request) --runs times, each printed, then their median."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=40_000)
     ap.add_argument("--runs", type=int, default=5)
+    for name, (default, what_it_is) in (options or {}).items():
+        ap.add_argument(f"--{name}", type=int, default=default, help=what_it_is)
     args = ap.parse_args()
+    own = {name: getattr(args, name) for name in options or {}}
     per_request = []
     for _ in range(args.runs):
-        per_request.append(one_run(args.requests))
+        per_request.append(one_run(args.requests, **own))
         print(f"{what} CPU per Produce request: {per_request[-1]:.1f} µs")
     print(f"median of {args.runs} runs: {statistics.median(per_request):.1f} µs")
 

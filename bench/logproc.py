@@ -4,14 +4,20 @@ The log process's produce path (`LogService._produce`: the produce calls of
 one connection, appended, flushed in node objects, committed, acknowledged)
 in this process, over the in-memory twins of S3 and etcd, with the real
 shared rings and segment cache. Each call is a list of one-partition
-produce calls of two 1 KiB records, spread over 100 partitions, as
-librdkafka sends them with many partitions; CALLS_IN_FLIGHT lists are
-outstanding at a time. Printed: this process's CPU time (user + system,
-getrusage) per request over --requests requests, for --runs runs, each in a
-fresh process. Staging each payload in a ring (a worker's part) is
-included: about 1 µs a request.
+produce calls of two 1 KiB records, spread over --partitions partitions
+(100), as librdkafka sends them with many partitions; a list holds --calls
+requests (50: a connection's requests of one loop pass at 20,000 records/s
+over 100 partitions) and CALLS_IN_FLIGHT lists are outstanding at a time.
+Printed: this process's CPU time (user + system, getrusage) per request
+over --requests requests, for --runs runs, each in a fresh process. Staging
+each payload in a ring (a worker's part) is included: about 1 µs a request.
 
-    python -m bench.logproc --requests 40000 --runs 5
+    python -m bench.logproc --requests 40000 --runs 5 [--partitions 100] [--calls 50]
+
+With many partitions and few requests a call (--partitions 10000 --calls 5,
+as at 2,000 records/s over 10,000 partitions) each partition's slice of a
+node object holds one request, and the costs of a slice and of a call
+count as much as those of a request.
 
 What the in-memory stores cost is not the broker's; compare commits by
 running this at each, alternately, on the same machine (with
@@ -35,17 +41,15 @@ from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
 from kafscale.storage.memory import MemoryObjectStore
 
-PARTITIONS = 100
-CALLS = 50  # produce requests in one call from a worker (a connection's requests of one loop pass)
 CALLS_IN_FLIGHT = 20
 TOPIC = "bench"
 
 
-async def _run(requests: int) -> float:
+async def _run(requests: int, partitions: int = 100, calls: int = 50) -> float:
     cfg = Config(node_id=1, namespace="bench", node_flush=True)
     etcd = MemoryEtcd()
     meta = MetaStore.in_memory("bench", etcd)
-    await meta.create_topic(TOPIC, PARTITIONS, {})
+    await meta.create_topic(TOPIC, partitions, {})
     area = SharedArea(1, cfg.ring_bytes, cfg.cache_bytes)
     cache = SharedCache(area)
     broker = Broker(cfg, MemoryObjectStore(), meta, cache)
@@ -62,14 +66,14 @@ async def _run(requests: int) -> float:
         return 0, start, len(payload)
 
     def produce(first: int) -> asyncio.Future[list[object]]:
-        calls: list[messages.ProduceCall] = [
+        call: list[messages.ProduceCall] = [
             (1, 9, "bench", "/127.0.0.1", "User:ANONYMOUS", -1, 30_000, None,
-             ((TOPIC, (((first + i) % PARTITIONS, staged()),)),)) for i in range(CALLS)]
-        return asyncio.ensure_future(service._produce(0, calls))
+             ((TOPIC, (((first + i) % partitions, staged()),)),)) for i in range(calls)]
+        return asyncio.ensure_future(service._produce(0, call))
 
     async def load(n: int) -> None:
         in_flight: list[asyncio.Future[list[object]]] = []
-        for first in range(0, n, CALLS):
+        for first in range(0, n, calls):
             in_flight.append(produce(first))
             if len(in_flight) >= CALLS_IN_FLIGHT:
                 replies = await in_flight.pop(0)
@@ -77,7 +81,7 @@ async def _run(requests: int) -> float:
             await asyncio.sleep(0)
         await asyncio.gather(*in_flight)
 
-    await load(PARTITIONS * 4)  # every partition opened
+    await load(partitions * 4)  # every partition opened
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
@@ -88,14 +92,14 @@ async def _run(requests: int) -> float:
     return per_request
 
 
-def _one(requests: int, out: mp.Queue) -> None:
-    out.put(asyncio.run(_run(requests)))
+def _one(requests: int, partitions: int, calls: int, out: mp.Queue) -> None:
+    out.put(asyncio.run(_run(requests, partitions, calls)))
 
 
-def one_run(requests: int) -> float:
+def one_run(requests: int, partitions: int = 100, calls: int = 50) -> float:
     """The log process's CPU per request (µs), in a fresh process."""
     out: mp.Queue = mp.Queue()
-    proc = mp.Process(target=_one, args=(requests, out))
+    proc = mp.Process(target=_one, args=(requests, partitions, calls, out))
     proc.start()
     per_request: float = out.get()
     proc.join()
@@ -103,7 +107,9 @@ def one_run(requests: int) -> float:
 
 
 def main() -> None:
-    per_request_runs(__doc__, one_run, "log process")
+    per_request_runs(__doc__, one_run, "log process", {
+        "partitions": (100, "partitions the requests go to, in turn"),
+        "calls": (50, "produce requests in one call from a worker")})
 
 
 if __name__ == "__main__":
