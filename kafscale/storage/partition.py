@@ -301,8 +301,11 @@ class PartitionLog(LogReader):
     def add_segment(self, m: SegmentManifest) -> list[SegmentManifest]:
         first_slice = self.segments[-self._slice_count].base if self._slice_count else m.last + 1
         replaced = super().add_segment(m)
-        self._count_slices(filter(self._is_slice, [m]), 1)
-        self._count_slices((r for r in replaced if r.base >= first_slice), -1)  # not the merged segments
+        if self._is_slice(m):
+            self._slice_count += 1
+            self._slice_bytes += m.size
+        if replaced:
+            self._count_slices((r for r in replaced if r.base >= first_slice), -1)  # not the merged segments
         return replaced
 
     def drop_segments(self, n: int) -> None:

@@ -136,6 +136,10 @@ class LogReader:
     def add_segment(self, m: SegmentManifest) -> list[SegmentManifest]:
         """Add a committed segment after the others; a compacted one replaces the
         node object slices it was built from (returned)."""
+        if not self._bases or self._bases[-1] < m.base:  # the usual: after the others, replacing none
+            self.segments.append(m)
+            self._bases.append(m.base)
+            return []
         i = bisect.bisect_left(self._bases, m.base)
         j = bisect.bisect_right(self._bases, m.last)
         replaced = self.segments[i:j]

@@ -183,3 +183,21 @@ def test_consumers_at_different_offsets_keep_their_own_read_ahead():
         assert len(r.cursors) <= 1  # the late one reached the end and let its windows go
 
     asyncio.run(run())
+
+
+def test_a_segment_added_after_the_others_or_over_slices_keeps_the_list_ordered():
+    """add_segment appends a segment that starts after the others (the usual
+    case, without a search) and replaces the slices a compacted one covers,
+    whatever their order of arrival."""
+    def m(base: int, last: int, pos: int = 0) -> SegmentManifest:
+        return SegmentManifest(base, last, last - base + 1, 100, 0, 0, f"k{base}-{last}", 0, pos=pos)
+
+    r = LogReader(HeldStore(), NoCache(), 0, ReadBudget(1 << 20))
+    for base in (0, 3, 5):
+        assert r.add_segment(m(base, base + 1 if base < 5 else 7)) == []
+    assert [s.base for s in r.segments] == [0, 3, 5]
+    replaced = r.add_segment(m(0, 4, pos=-1))  # compacts the first two slices
+    assert [s.key for s in replaced] == ["k0-1", "k3-4"]
+    assert [(s.base, s.last) for s in r.segments] == [(0, 4), (5, 7)]
+    assert r.add_segment(m(8, 8)) == []
+    assert [s.base for s in r.segments] == [0, 5, 8] and r._bases == [0, 5, 8]
