@@ -302,8 +302,7 @@ class PartitionLog(LogReader):
         first_slice = self.segments[-self._slice_count].base if self._slice_count else m.last + 1
         replaced = super().add_segment(m)
         if self._is_slice(m):
-            self._slice_count += 1
-            self._slice_bytes += m.size
+            self._count_slices((m,), 1)
         if replaced:
             self._count_slices((r for r in replaced if r.base >= first_slice), -1)  # not the merged segments
         return replaced
