@@ -106,9 +106,10 @@ class HistogramTally(Tally):
         self._bounds = list(child._upper_bounds)
         self._counts = [0] * len(self._bounds)
 
-    def observe(self, amount: float) -> None:
-        self._counts[bisect.bisect_left(self._bounds, amount)] += 1  # the first bucket with amount <= bound
-        self.inc(amount)
+    def observe(self, amount: float, n: int = 1) -> None:
+        """n observations of amount."""
+        self._counts[bisect.bisect_left(self._bounds, amount)] += n  # the first bucket with amount <= bound
+        self.inc(amount * n)
 
     def flush(self, now: float) -> None:
         if any(self._counts):

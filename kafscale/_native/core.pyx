@@ -530,7 +530,11 @@ def set_max_timestamp(uint8_t[::1] buf, BatchInfo b):
     (a copy of what b was validated from) and recompute its CRC32C."""
     if b.position < 0 or b.position + b.size > buf.shape[0]:
         raise IndexError("batch out of range")
-    cdef uint8_t *p = &buf[b.position]
+    _write_max_timestamp(&buf[b.position], b)
+
+
+cdef void _write_max_timestamp(uint8_t *p, BatchInfo b) noexcept:
+    """b.max_timestamp into the batch header at p, and its CRC32C again."""
     wr_i64(p + 35, b.max_timestamp)
     cdef uint32_t crc
     with nogil:
@@ -937,23 +941,33 @@ def parse_request_header(const uint8_t[::1] frame, const uint8_t[::1] flexible_v
         raise ValueError(f"request of {end} bytes is shorter than a header")
     api_key = rd_i16(p)
     api_version = rd_i16(p + 2)
-    n = rd_i16(p + 8)
+    if 0 <= api_key and 0 <= api_version < HEADER_VERSIONS:
+        n = <int64_t>api_key * HEADER_VERSIONS + api_version
+        flexible = n < flexible_versions.shape[0] and flexible_versions[n]
+    client_id = _client_id(p, end, flexible, &pos)
+    return api_key, api_version, rd_i32(p + 4), client_id, flexible, pos
+
+
+cdef object _client_id(const uint8_t *p, Py_ssize_t end, bint flexible, Py_ssize_t *body_at):
+    """The client_id of the request header at p (a frame of end >= 10 bytes);
+    body_at is set to where the body starts (after the tagged fields of a
+    header v2)."""
+    cdef Py_ssize_t pos = 10
+    cdef int64_t n = rd_i16(p + 8)
     client_id = None
     if n >= 0:
         pos = _need(pos, n, end)
         client_id = PyUnicode_DecodeUTF8(<const char *>p + 10, <Py_ssize_t>n, "replace")
-    if 0 <= api_key and 0 <= api_version < HEADER_VERSIONS:
-        n = <int64_t>api_key * HEADER_VERSIONS + api_version
-        flexible = n < flexible_versions.shape[0] and flexible_versions[n]
     if flexible:
         _skip_tags(p, &pos, end)
-    return api_key, api_version, rd_i32(p + 4), client_id, flexible, pos
+    body_at[0] = pos
+    return client_id
 
 
-def decode_produce_request(buf, Py_ssize_t pos, int version):
+cdef tuple _produce_body(buf, Py_ssize_t pos, int version):
     """A Produce request body (v3 and later, up to v12) at `pos` of `buf` (a
-    memoryview; records are slices of it): the dict the schema codec
-    decodes, and where the body ends."""
+    memoryview; records are slices of it), as plain tuples: (transactional_id,
+    acks, timeout_ms, [(name, [(index, records or None), ...]), ...], end)."""
     cdef const uint8_t[::1] view = buf
     cdef Py_ssize_t end = view.shape[0]
     cdef const uint8_t *p = &view[0] if end else NULL
@@ -984,13 +998,121 @@ def decode_produce_request(buf, Py_ssize_t pos, int version):
                 records = buf[start:pos]
             if flex:
                 _skip_tags(p, &pos, end)
-            parts.append({"index": index, "records": records})
+            parts.append((index, records))
         if flex:
             _skip_tags(p, &pos, end)
-        topics.append({"name": name, "partition_data": parts})
+        topics.append((name, parts))
     if flex:
         _skip_tags(p, &pos, end)
-    return {"transactional_id": tid, "acks": acks, "timeout_ms": timeout_ms, "topic_data": topics}, pos
+    return tid, acks, timeout_ms, topics, pos
+
+
+def decode_produce_request(buf, Py_ssize_t pos, int version):
+    """A Produce request body (v3 and later, up to v12) at `pos` of `buf` (a
+    memoryview; records are slices of it): the dict the schema codec
+    decodes, and where the body ends."""
+    tid, acks, timeout_ms, topics, end = _produce_body(buf, pos, version)
+    return {"transactional_id": tid, "acks": acks, "timeout_ms": timeout_ms, "topic_data": [
+        {"name": name, "partition_data": [{"index": index, "records": records} for index, records in parts]}
+        for name, parts in topics]}, end
+
+
+# A produce payload the worker's ring has no room for: every client retries NOT_ENOUGH_REPLICAS.
+NOT_ENOUGH_REPLICAS = 19
+RING_FULL = "the broker's produce buffer is full (S3 is slow or unavailable); retry"
+
+
+cdef object _stage(RingWriter ring, int slot, records, bint deep_compressed, Py_ssize_t max_uncompressed,
+                   reject, Py_ssize_t *staged):
+    """One partition's records validated and copied into the ring: (slot,
+    start, length); or reject(code, message) saying why not."""
+    if records is None or len(records) == 0:
+        return reject(INVALID_RECORD, "no records")
+    try:
+        batches = validate_batches(records, deep_compressed, max_uncompressed)
+    except BatchError as exc:
+        return reject(exc.code, str(exc))
+    cdef const uint8_t[::1] src = records
+    cdef Py_ssize_t n = src.shape[0]
+    if n > ring.size:
+        return reject(MESSAGE_TOO_LARGE, f"{n} bytes exceed the produce buffer")
+    cdef int64_t start = ring._alloc(n)
+    if start < 0:
+        return reject(NOT_ENOUGH_REPLICAS, RING_FULL)
+    cdef uint8_t *dst = &ring._data[start % ring.size]
+    memcpy(dst, &src[0], n)
+    cdef BatchInfo b
+    for b in batches:
+        if b.max_timestamp_fixed:
+            _write_max_timestamp(dst + b.position, b)
+    staged[0] += n
+    return slot, start, n
+
+
+# A connection's pipelined Produce requests, many at a time: librdkafka sends one
+# per partition batch, and a read of its connection holds dozens. A run of
+# complete Produce frames is split off, parsed, decoded and staged in one call,
+# and their responses are framed together (kafscale/broker/server.py).
+
+def produce_run(const uint8_t[::1] buf, Py_ssize_t pos, Py_ssize_t max_size, Py_ssize_t max_frames,
+                int min_version, int max_version):
+    """The complete request frames (4-byte size, then the frame) from `pos`
+    of `buf` that are Produce requests of min_version to max_version, of 10
+    (a header) to max_size bytes: at most max_frames, up to the first that
+    is not.
+    Returns (how many, where they end)."""
+    cdef Py_ssize_t end = buf.shape[0], count = 0
+    cdef int32_t size
+    cdef int version
+    while count < max_frames and end - pos >= 8:
+        size = rd_i32(&buf[pos])
+        if size < 10 or size > max_size or size > end - pos - 4:
+            break
+        version = rd_i16(&buf[pos + 6])
+        if rd_i16(&buf[pos + 4]) != 0 or version < min_version or version > max_version:
+            break
+        pos += 4 + size
+        count += 1
+    return count, pos
+
+
+def stage_produce_run(buf, Py_ssize_t count, int flexible_min, RingWriter ring not None, int slot,
+                      bint deep_compressed, Py_ssize_t max_uncompressed, reject):
+    """stage_produce for each of `count` framed Produce requests back to back
+    in `buf` (as produce_run found them; header v2 from flexible_min on): a
+    list of (correlation_id, version, client_id, acks, timeout_ms,
+    transactional_id, topics) for the requests up to the first that does not
+    decode, the bytes staged for them, and that one's (version, error) (None
+    if all decode; nothing of it or after it is staged). Each request's
+    topics are ((name, ((index, (slot, start, length) or reject(code,
+    message)), ...)), ...), the payload part of a ProduceCall: its records
+    validated (validate_batches) and copied into the ring, a corrected
+    maxTimestamp written into the copy."""
+    cdef const uint8_t[::1] view = buf
+    cdef Py_ssize_t pos = 0, size, body_at, staged = 0, i
+    cdef const uint8_t *p
+    cdef int version
+    decoded = []
+    error = None
+    for i in range(count):
+        p = &view[pos]
+        size = rd_i32(p)
+        version = rd_i16(p + 6)
+        frame = buf[pos + 4:pos + 4 + size]
+        try:
+            client_id = _client_id(p + 4, size, version >= flexible_min, &body_at)
+            tid, acks, timeout_ms, topics, _ = _produce_body(frame, body_at, version)
+        except ValueError as exc:
+            error = (version, str(exc))
+            break
+        decoded.append((rd_i32(p + 8), version, client_id, acks, timeout_ms, tid, topics))
+        pos += 4 + size
+    out = []
+    for correlation_id, version, client_id, acks, timeout_ms, tid, topics in decoded:
+        out.append((correlation_id, version, client_id, acks, timeout_ms, tid, tuple([
+            (name, tuple([(index, _stage(ring, slot, records, deep_compressed, max_uncompressed, reject, &staged))
+                          for index, records in parts])) for name, parts in topics])))
+    return out, staged, error
 
 
 # ---------------------------------------------------------------- Produce responses
@@ -1034,6 +1156,29 @@ cdef object _put_array(_Sink out, value, bint compact):
 def encode_produce_response(dict body, int version):
     """A Produce response body (v3 and later, up to v12), as bytes."""
     cdef _Sink out = _Sink(256)
+    _produce_response(out, body, version)
+    return out.take()
+
+
+def encode_produce_responses(list answers, int flexible_min):
+    """Produce responses framed back to back (4-byte size, correlation id,
+    from flexible_min on the header's empty tagged fields, then the body):
+    `answers` are (correlation_id, version, body) each."""
+    cdef _Sink out = _Sink(64 * len(answers) + 64)
+    cdef Py_ssize_t start
+    cdef int version
+    for correlation_id, version, body in answers:
+        start = out.n
+        out.room(4)
+        wr_i32(out.room(4), correlation_id)
+        if version >= flexible_min:
+            out.put_u8(0)
+        _produce_response(out, body, version)
+        wr_i32(<uint8_t *>PyByteArray_AS_STRING(out.data) + start, <int32_t>(out.n - start - 4))
+    return out.take()
+
+
+cdef int _produce_response(_Sink out, dict body, int version) except -1:
     cdef bint flex = version >= 9
     for topic in _put_array(out, body.get("responses"), flex):
         _put_string(out, topic.get("name"), flex, False)
@@ -1058,4 +1203,4 @@ def encode_produce_response(dict body, int version):
     wr_i32(out.room(4), body.get("throttle_time_ms", 0))
     if flex:
         _put_uvarint(out, 0)
-    return out.take()
+    return 0

@@ -1,8 +1,9 @@
 """The Kafka listener: reads size-prefixed frames, dispatches them to the
 Broker's handlers and writes responses in request order.
 
-A connection may pipeline requests: each one runs as its own task and a
-writer awaits them in order, so a Produce waiting for S3 does not hold up
+A connection may pipeline requests: each one runs as its own task (Produce
+requests sent back to back as one run, handed to a RunHandler together) and
+a writer awaits them in order, so a Produce waiting for S3 does not hold up
 the parsing of what follows. Malformed frames close only that connection,
 with a log line saying why; nothing a client sends can stop the server."""
 from __future__ import annotations
@@ -18,17 +19,17 @@ import ssl as ssl_mod
 import struct
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kafscale import metrics
+from kafscale import _native, metrics
 from kafscale.broker.context import RequestContext
 from kafscale.metadata.store import unavailable
 from kafscale.protocol.codec import DecodeError
 from kafscale.protocol.error_response import error_response, unavailable_code
 from kafscale.protocol.errors import ErrorCode, KafkaError
-from kafscale.protocol.framing import HeaderFields, encode_response, request_header_fields
+from kafscale.protocol.framing import HeaderFields, encode_produce_responses, encode_response, request_header_fields
 from kafscale.protocol.schemas import API_VERSIONS, APIS, PRODUCE, SASL_AUTHENTICATE, SASL_HANDSHAKE
 from kafscale.security.sasl import ANONYMOUS, PROXY_MECHANISM, Lookup, ProxyIdentity, SaslExchange, SaslFailed
 
@@ -85,33 +86,40 @@ class ByteBudget:
                 fut.set_result(None)
 
 Handler = Callable[[RequestContext, dict[str, Any]], Awaitable[dict[str, Any] | None]]
-# How a DirectHandler answers: called once with the response body (None: no response) or the exception
-# the request failed with.
-Respond = Callable[["dict[str, Any] | BaseException | None"], None]
-# Answers a request without a task of its own: called as the request is read, it calls respond (then or
-# later) or raises. A worker's Produce is one: thousands a second (one per partition batch), a task each
-# cost a fifth of the worker's time per request; answering through respond instead of a future each
-# (with two smaller trims) took the listener from 23.1 to 21.0 µs a request (bench/README.md, session 33).
-DirectHandler = Callable[[RequestContext, dict[str, Any], Respond], None]
+# How a RunHandler answers a run: called once with the framed responses of its requests that want
+# one, back to back (b"": none), or with the exception the run failed with (a ProtocolViolation closes
+# the connection after the responses before it).
+RunRespond = Callable[["bytes | BaseException"], None]
+# Answers a run of Produce requests a connection sent back to back (their frames with their size
+# prefixes, and how many), as a group: a worker's Produce is the request it gets most (librdkafka sends
+# one per partition batch, thousands a second, dozens in one read of a connection), and per request a
+# task, then a future, a queue entry, a header parse and a response frame of its own had been most of a
+# worker's time. Called as the run is read, it calls respond (then or later), or raises; it returns the
+# ProtocolViolation of the first request in the run that does not decode (the requests before it are
+# answered, the connection then closes), or None.
+RunHandler = Callable[[RequestContext, memoryview, int, RunRespond], "ProtocolViolation | None"]
 # Answers a request this process has no handler for (a worker asks its log process).
 Forward = Callable[[RequestContext, memoryview], Awaitable[list[Any] | None]]
-# A request read and not yet answered, as the send loop gets it: its response's future and its header,
-# and for a direct request what to run if the future is cancelled (answer_directly's done).
-_Queued = tuple[asyncio.Future[list[Any] | None], RequestContext, Callable[[], None] | None]
+# Requests read and not yet answered, as the send loop gets them: their response's future, their header,
+# for a run what to run if the future is cancelled (its done), and how many requests they are.
+_Queued = tuple[asyncio.Future[list[Any] | None], RequestContext, Callable[[], None] | None, int]
 
 
 class _Answers:
     """A connection's requests waiting for their responses, in the order they
-    came: its reader appends, its send loop takes from the front. The reader
-    waits (wait_room) while `limit` are waiting, which is how the in-flight
-    limit holds back reading. asyncio.Queue does this with a dozen Python
-    calls a request (its full/qsize/wakeup bookkeeping): here a request's
-    way through takes two and no coroutine unless one side has to wait."""
+    came: its reader appends, its send loop takes from the front and says
+    when it has written an item's answer (finished). The reader waits
+    (wait_room) while `limit` requests are read and not yet answered (an
+    item is one request, or a run of them), which is how the in-flight limit
+    holds back reading. asyncio.Queue does this with a dozen Python calls an
+    item (its full/qsize/wakeup bookkeeping): here an item's way through
+    takes three and no coroutine unless one side has to wait."""
 
-    __slots__ = ("_getter", "_putter", "items", "limit")
+    __slots__ = ("_getter", "_putter", "count", "items", "limit")
 
     def __init__(self, limit: int) -> None:
         self.items: deque[_Queued | None] = deque()  # None: the reader is done, the send loop ends there
+        self.count = 0  # the requests of the items, and of the one the send loop is answering
         self.limit = limit
         self._getter: asyncio.Future[None] | None = None  # the send loop waits for an item
         self._putter: asyncio.Future[None] | None = None  # the reader waits for room
@@ -119,6 +127,8 @@ class _Answers:
     def put(self, item: _Queued | None) -> None:
         """Append an item, even past the limit (the end marker always goes in)."""
         self.items.append(item)
+        if item is not None:
+            self.count += item[3]
         if (waiter := self._getter) is not None:
             self._getter = None
             if not waiter.done():
@@ -126,23 +136,31 @@ class _Answers:
 
     def take(self) -> _Queued | None:
         """The first item (there is one)."""
-        item = self.items.popleft()
-        if (waiter := self._putter) is not None and len(self.items) < self.limit:
+        return self.items.popleft()
+
+    def finished(self, item: _Queued) -> None:
+        """The send loop is done with an item it took: its requests leave the count."""
+        self.count -= item[3]
+        if (waiter := self._putter) is not None and self.count < self.limit:
             self._putter = None
             if not waiter.done():
                 waiter.set_result(None)
-        return item
 
     def drain(self) -> list[_Queued | None]:
         """Every item (the send loop ends): a reader waiting for room goes on."""
         items = list(self.items)
         self.items.clear()
+        self.count = 0
         if self._putter is not None and not self._putter.done():
             self._putter.set_result(None)
         return items
 
+    def room(self) -> int:
+        """How many more requests may be read."""
+        return self.limit - self.count
+
     async def wait_room(self) -> None:
-        while len(self.items) >= self.limit:
+        while self.count >= self.limit:
             self._putter = asyncio.get_running_loop().create_future()
             await self._putter
 
@@ -248,23 +266,43 @@ class _FrameReader:
     data: bytes = b""  # bytes read, from pos on not yet returned
     pos: int = 0
 
-    async def next(self) -> memoryview | None:
-        """The next frame (None at a clean end, or when the connection was idle
-        past its limit), its bytes taken from the listener's budget: the caller
-        gives them back when the request is done. Before authentication a frame
-        may be UNAUTHENTICATED_MAX_FRAME bytes at most."""
+    async def fill(self) -> bool:
+        """Read until a frame's size prefix is here (False at a clean end, or
+        when the connection was idle past its limit)."""
         session = self.session
         while len(self.data) - self.pos < 4:
             try:
                 if not await self._read():
                     if len(self.data) > self.pos:
                         raise ProtocolViolation(f"truncated size prefix ({len(self.data) - self.pos} bytes)")
-                    return None
+                    return False
             except TimeoutError:
                 if session.in_flight == 0:
                     log.info("conn %d from %s: closing after %.0f s idle", session.conn, session.peer,
                              self.limits.idle_timeout_s)
-                    return None
+                    return False
+        return True
+
+    def produce_run(self, max_frames: int) -> tuple[bytes, int] | None:
+        """The complete Produce frames read and not yet returned, from the next
+        one on (their size prefixes included, copied out), and how many: at
+        most max_frames, up to the first other frame; None if the next one
+        is not such a frame. Their bytes are not taken from the budget."""
+        count, end = _native.produce_run(self.data, self.pos, self.limits.max_request_bytes, max_frames,
+                                         PRODUCE.min_version, PRODUCE.max_version)
+        if not count:
+            return None
+        run, self.pos = self.data[self.pos:end], end
+        return run, count
+
+    async def next(self) -> memoryview | None:
+        """The next frame (None at a clean end, or when the connection was idle
+        past its limit), its bytes taken from the listener's budget: the caller
+        gives them back when the request is done. Before authentication a frame
+        may be UNAUTHENTICATED_MAX_FRAME bytes at most."""
+        session = self.session
+        if not await self.fill():
+            return None
         (size,) = _SIZE.unpack_from(self.data, self.pos)
         min_size = 1 if session.raw_tokens else 8
         max_size = self.limits.max_request_bytes if session.authenticated else UNAUTHENTICATED_MAX_FRAME
@@ -309,12 +347,17 @@ _SASL_APIS = (SASL_HANDSHAKE.key, SASL_AUTHENTICATE.key)
 _BEFORE_AUTH = (API_VERSIONS.key, *_SASL_APIS)
 
 
+def malformed_body(api_key: int, version: int, why: object) -> ProtocolViolation:
+    """What a request whose body does not decode is: the connection closes, saying why."""
+    return ProtocolViolation(f"malformed {APIS[api_key].name} v{version} body: {why}")
+
+
 def _decode(hdr: RequestContext, frame: memoryview, body_at: int) -> dict[str, Any]:
     api = APIS[hdr.api_key]
     try:
         req, end = api.request.decode(frame, hdr.api_version, body_at)
     except DecodeError as exc:
-        raise ProtocolViolation(f"malformed {api.name} v{hdr.api_version} body: {exc}") from None
+        raise malformed_body(hdr.api_key, hdr.api_version, exc) from None
     if end != len(frame):
         # Kafka ignores bytes after the body, and librdkafka sends some (a
         # 4-byte array-count placeholder in Metadata v9+ for all topics).
@@ -357,37 +400,24 @@ async def call_handler(handlers: dict[int, Handler], hdr: RequestContext, frame:
     return _framed(hdr, req, body)
 
 
-def answer_directly(handler: DirectHandler, hdr: RequestContext, frame: memoryview, body_at: int,
-                    done: Callable[[], None]) -> asyncio.Future[list[Any] | None]:
-    """What call_handler does, with a DirectHandler: the future of the
-    framed response (None: no response), counted as _handle counts. done()
-    runs when the request is answered (not when the future is cancelled),
-    in place of a callback on the future: one loop callback fewer a request.
-    A ProtocolViolation the handler raises is answered in order, like one it
-    responds with: the connection closes after the responses before it."""
-    started = time.perf_counter()
-    out: asyncio.Future[list[Any] | None] = asyncio.get_running_loop().create_future()
+def run_frames(run: memoryview, count: int) -> Iterator[memoryview]:
+    """The frames of a run (see RunHandler), without their size prefixes."""
+    pos = 0
+    for _ in range(count):
+        (size,) = _SIZE.unpack_from(run, pos)
+        yield run[pos + 4:pos + 4 + size]
+        pos += 4 + size
 
-    def respond(body: dict[str, Any] | BaseException | None) -> None:
-        if out.done():  # cancelled: the connection went away
-            return
-        _count_request(hdr.api_key, started)
-        try:
-            if isinstance(body, BaseException):
-                if isinstance(body, ProtocolViolation) or not isinstance(body, Exception):
-                    raise body
-                body = _failed(hdr, req, body)
-            out.set_result(_framed(hdr, req, body))
-        except BaseException as exc:  # as from a _handle task: logged, the connection closed
-            out.set_exception(exc)
-        done()
 
-    try:
-        req = _decode(hdr, frame, body_at)
-        handler(hdr, req, respond)
-    except Exception as exc:
-        respond(exc)
-    return out
+def failed_answer(frame: memoryview, exc: Exception) -> tuple[int, int, dict[str, Any]] | None:
+    """A Produce request of a run that failed with exc, answered with an error
+    code (its connection stays open): (correlation id, version, response
+    body) for encode_produce_responses, None for an acks=0 one (no answer).
+    ProtocolViolation if the request does not decode."""
+    *wire, body_at = parse_header(frame)
+    hdr = RequestContext(*wire)
+    req = _decode(hdr, frame, body_at)
+    return None if req["acks"] == 0 else (hdr.correlation_id, hdr.api_version, _failed(hdr, req, exc))
 
 
 def parse_header(frame: memoryview) -> HeaderFields:
@@ -411,9 +441,9 @@ class KafkaServer:
     def __init__(self, handlers: dict[int, Handler], host: str, port: int, limits: ConnectionLimits,
                  reuse_port: bool = False, forward: Forward | None = None, ssl: ssl_mod.SSLContext | None = None,
                  sasl: SaslSettings | None = None, proxy_secret: str = "",
-                 direct: dict[int, DirectHandler] | None = None) -> None:
+                 produce_run: RunHandler | None = None) -> None:
         self.handlers = handlers
-        self.direct = direct or {}
+        self.produce_run = produce_run
         self.sasl = sasl
         self.proxy_secret = proxy_secret  # set: a proxy knowing it may speak for its clients (ProxyIdentity)
         self._sasl_handlers: dict[int, Handler] = {SASL_HANDSHAKE.key: self.sasl_handshake,
@@ -474,16 +504,24 @@ class KafkaServer:
         SESSION.set(session)  # request tasks copy this context
         deadlines = (_ReadDeadline(me, self.limits.idle_timeout_s), _ReadDeadline(me, self.limits.read_timeout_s))
         frames = _FrameReader(reader, session, self.limits, self.budget, *deadlines)
+        runs = self.produce_run is not None
         try:
             while not sender.done():
-                if len(queue.items) >= queue.limit:
+                if queue.count >= queue.limit:
                     await queue.wait_room()
                     continue
+                if runs and session.authenticated and not session.raw_tokens:
+                    if not await frames.fill():
+                        break
+                    run = frames.produce_run(queue.room())
+                    if run is not None:
+                        await self.budget.take(len(run[0]))
+                        if not self._start_run(session, append_order, queue, *run, len(run[0])):
+                            break
+                        continue
                 frame = await frames.next()
                 if frame is None:
                     break
-                done = functools.partial(self._request_done, session, len(frame))
-                direct = None
                 try:
                     if session.raw_tokens:
                         hdr = RequestContext(SASL_AUTHENTICATE.key, 0, 0, None, False)
@@ -492,17 +530,19 @@ class KafkaServer:
                         *wire, body_at = parse_header(frame)
                         if not session.authenticated and wire[0] not in _BEFORE_AUTH:
                             raise ProtocolViolation(f"{APIS[wire[0]].name} request before SASL authentication")
+                        if runs and wire[0] == PRODUCE.key:  # one that came in pieces: a run of its own
+                            if not self._start_run(session, append_order, queue, _SIZE.pack(len(frame)) + frame,
+                                                   1, len(frame)):
+                                break
+                            continue
                         hdr = RequestContext(*wire, session.client_host, session.principal, append_order)
-                        direct = self.direct.get(hdr.api_key)
-                        task = (answer_directly(direct, hdr, frame, body_at, done) if direct is not None
-                                else asyncio.create_task(self._handle(hdr, frame, body_at)))
+                        task = asyncio.create_task(self._handle(hdr, frame, body_at))
                 except BaseException:
                     self.budget.give(len(frame))
                     raise
-                session.in_flight += 1  # (a direct request answered at once has taken 1 off already)
-                if direct is None:
-                    task.add_done_callback(done)
-                queue.put((task, hdr, done if direct is not None else None))
+                session.in_flight += 1
+                task.add_done_callback(functools.partial(self._request_done, session, len(frame)))
+                queue.put((task, hdr, None, 1))
                 if hdr.api_key in _SASL_APIS:
                     await asyncio.wait([task])  # the next request must see the outcome
                     if session.closing:
@@ -534,6 +574,53 @@ class KafkaServer:
     def _request_done(self, session: Session, size: int, _task: asyncio.Task[Any] | None = None) -> None:
         session.in_flight -= 1
         self.budget.give(size)
+
+    def _start_run(self, session: Session, append_order: asyncio.Lock, queue: _Answers, run: bytes, count: int,
+                   held: int) -> bool:
+        """Hand a run of Produce requests (their frames; `held` bytes of the
+        budget, given back once they are answered) to the run handler, and
+        queue its answer; False if one of them broke the protocol: the
+        connection closes after the answers before it."""
+        assert self.produce_run is not None
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        out: asyncio.Future[list[Any] | None] = loop.create_future()
+        hdr = RequestContext(PRODUCE.key, 0, 0, None, False, session.client_host, session.principal, append_order)
+        session.in_flight += count
+
+        def done() -> None:
+            session.in_flight -= count
+            self.budget.give(held)
+
+        def respond(answers: bytes | BaseException) -> None:
+            if out.done():  # cancelled: the connection went away
+                return
+            _count_request(PRODUCE.key, started, count)
+            if isinstance(answers, BaseException):
+                out.set_exception(answers)
+            else:
+                out.set_result([answers] if answers else None)
+            done()
+
+        frames = memoryview(run)
+        violation = None
+        try:
+            violation = self.produce_run(hdr, frames, count, respond)
+        except ProtocolViolation as exc:
+            respond(exc)
+        except Exception as exc:  # each request gets an error code, and the connection stays open
+            try:
+                respond(encode_produce_responses([a for frame in run_frames(frames, count)
+                                                  if (a := failed_answer(frame, exc)) is not None]))
+            except ProtocolViolation as bad:
+                respond(bad)
+        queue.put((out, hdr, done, count))
+        if violation is None:
+            return True
+        refused = loop.create_future()
+        refused.set_exception(violation)
+        queue.put((refused, hdr, None, 0))
+        return False
 
     async def _handle(self, hdr: RequestContext, frame: memoryview, body_at: int) -> list[Any] | None:
         t = time.perf_counter()
@@ -638,7 +725,7 @@ class KafkaServer:
                 if current is None:
                     await self._flush(writer, ready)
                     return
-                task, hdr, _ = current
+                task, hdr, _, _ = current
                 if not task.done():
                     await self._flush(writer, ready)
                 try:
@@ -662,6 +749,7 @@ class KafkaServer:
                     await self._write(writer, chunks)
                 if hdr.on_sent:
                     run_on_sent(hdr.on_sent)
+                queue.finished(current)
                 current = None
                 if len(ready) >= COALESCE_BYTES:
                     await self._flush(writer, ready)
@@ -707,20 +795,21 @@ def _request_metrics(api_key: int) -> tuple[Any, Any]:
             metrics.HistogramTally(metrics.REQUEST_SECONDS.labels(metrics.node(), name)))
 
 
-def _count_request(api_key: int, started: float) -> None:
-    """Count an answered request and the time since it started (perf_counter)."""
+def _count_request(api_key: int, started: float, n: int = 1) -> None:
+    """Count n answered requests and the time since they started (perf_counter)."""
     count, seconds = _request_metrics(api_key)
-    count.inc()
-    seconds.observe(time.perf_counter() - started)
+    count.inc(n)
+    seconds.observe(time.perf_counter() - started, n)
 
 
 def _drop(items: list[_Queued | None]) -> None:
     """Requests that will not be answered now: they still release what they hold."""
     for item in items:
         if item is not None:
-            fut, hdr, done = item
-            fut.cancel()
-            if done is not None and fut.cancelled():  # never answered: answer_directly did not run it
+            fut, hdr, done, _ = item
+            if not fut.cancel() and not fut.cancelled():  # answered (or refused) already: nobody reads it now
+                fut.exception()
+            elif done is not None:  # a run never answered: its respond did not run done
                 done()
             fut.add_done_callback(lambda _t, h=hdr: run_on_sent(h.on_sent))
 

@@ -84,12 +84,12 @@ class Ring:
         self.header = mem[:_RING_HEADER]
         self.data = mem[_RING_HEADER:_RING_HEADER + size]
         self.size = size
-        self._writer = _native.RingWriter(self.header, self.data)
+        self.writer = _native.RingWriter(self.header, self.data)  # the worker's end (stage_produce)
 
     # ---------------------------------------------------------- worker side
     def put(self, payload: memoryview | bytes) -> int | None:
         """Reserve room for payload and copy it in (in one native call); its absolute position, or None when full."""
-        return self._writer.put(payload)
+        return self.writer.put(payload)
 
     def view(self, start: int, n: int) -> memoryview:
         off = start % self.size

@@ -9,8 +9,10 @@ process as raw bytes and its answer sent back unchanged."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kafscale import _native, metrics
@@ -23,8 +25,11 @@ from kafscale.broker.server import (
     ConnectionLimits,
     KafkaServer,
     ProtocolViolation,
-    Respond,
+    RunRespond,
     SaslSettings,
+    failed_answer,
+    malformed_body,
+    run_frames,
     run_on_sent,
 )
 from kafscale.broker.shm import CacheReader, CacheRef, Ring, SharedArea, ref_position
@@ -32,15 +37,13 @@ from kafscale.config import Config
 from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.framing import encode_produce_responses
 from kafscale.security.acl import AclBinding, Authorizer, Operation, ResourceType
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.reader import LogError, LogReader, ReadBudget
 
 log = logging.getLogger(__name__)
-
-RING_FULL = "the broker's produce buffer is full (S3 is slow or unavailable); retry"
-
 
 def _unanswered(_result: Any) -> None:
     """The reply to an acks=0 produce: nobody waits for it."""
@@ -103,6 +106,51 @@ class PartitionView(LogReader):
             self.drop_segments(gone)
 
 
+# What answers a queued produce call: the log process's response body, None (acks=0), or what it failed with.
+Reply = Callable[["dict[str, Any] | BaseException | None"], None]
+
+
+class _RunReplies:
+    """The replies to a run's produce calls (Worker.produce_run), answered
+    together once the last one that wants an answer has its reply: the
+    responses framed in one piece (an error code for a call the log process
+    failed), or the ProtocolViolation one of them got (the connection closes)."""
+
+    __slots__ = ("frames", "left", "replies", "requests", "respond")
+
+    def __init__(self, frames: memoryview, requests: list[tuple[Any, ...]], respond: RunRespond) -> None:
+        self.frames = frames
+        self.requests = requests
+        self.respond = respond
+        self.replies: list[dict[str, Any] | BaseException | None] = [None] * len(requests)
+        self.left = sum(1 for r in requests if r[3] != 0)
+
+    def answer(self, i: int, reply: dict[str, Any] | BaseException | None) -> None:
+        self.replies[i] = reply
+        self.left -= 1
+        self.answer_if_done()
+
+    def answer_if_done(self) -> None:
+        if self.left:
+            return
+        try:
+            answers = []
+            for request, reply, frame in zip(self.requests, self.replies, run_frames(self.frames, len(self.requests)),
+                                             strict=True):
+                if request[3] == 0:  # acks=0: no answer
+                    continue
+                if isinstance(reply, dict):
+                    answers.append((request[0], request[1], reply))
+                elif isinstance(reply, Exception) and not isinstance(reply, ProtocolViolation):
+                    if (answer := failed_answer(frame, reply)) is not None:
+                        answers.append(answer)
+                else:
+                    raise reply if isinstance(reply, BaseException) else ProtocolViolation("a produce got no reply")
+            self.respond(encode_produce_responses(answers))
+        except BaseException as exc:
+            self.respond(exc)
+
+
 class Worker:
     def __init__(self, cfg: Config, area: SharedArea, slot: int) -> None:
         self.cfg = cfg
@@ -118,8 +166,8 @@ class Worker:
         self._changed = asyncio.Event()
         self._opening = 0  # views being opened: their events may arrive before the view exists
         self._early: list[messages.PartitionChanged] = []
-        # produce calls of each client connection not sent yet, with their replies
-        self._produces: dict[int, list[tuple[messages.ProduceCall, Respond]]] = {}
+        # produce calls of each client connection not sent yet, with what answers each
+        self._produces: dict[int, list[tuple[messages.ProduceCall, Reply]]] = {}
         # this process's children of the byte counters (a labels() lookup per request cost 4% of a worker)
         self._produce_bytes = metrics.Tally(metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process()))
         self._fetch_bytes = metrics.Tally(metrics.FETCH_BYTES.labels(metrics.node(), metrics.process()))
@@ -140,7 +188,7 @@ class Worker:
         sasl = SaslSettings(mechanisms, lambda user: self.chan.call(messages.GetUser(user))) if mechanisms else None
         self.server = KafkaServer(self.handlers, host, port, ConnectionLimits.from_config(self.cfg), reuse_port=True,
                                   forward=self.forward, ssl=self.cfg.server_ssl(), sasl=sasl,
-                                  proxy_secret=self.cfg.proxy_secret, direct={schemas.PRODUCE.key: self.produce})
+                                  proxy_secret=self.cfg.proxy_secret, produce_run=self.produce_run)
         await self.server.start()
 
     async def run_until_log_process_exits(self) -> None:
@@ -203,29 +251,32 @@ class Worker:
             raise ProtocolViolation(result.violation)
         return None if result.response is None else [result.response]
 
-    def produce(self, hdr: RequestContext, req: dict[str, Any], respond: Respond) -> None:
-        """Validate each payload and put it in the ring; the log process does
-        the rest, in the order this connection sent them: the call is queued
-        as the request is read (a DirectHandler). acks=0 is answered (with no
-        response) at once."""
+    def produce_run(self, hdr: RequestContext, frames: memoryview, count: int, respond: RunRespond
+                    ) -> ProtocolViolation | None:
+        """A run of Produce requests a connection sent back to back (a
+        RunHandler): each payload validated and put in the ring, in one
+        native call for the run (_native.stage_produce_run: headers and
+        bodies decoded straight into the calls' tuples); the log process does
+        the rest, in the order the connection sent them: the calls are queued
+        as the run is read. Their responses go out in one piece once each
+        request that wants one (acks is not 0) is answered."""
         assert self.chan is not None
         if self.chan.closed:
             raise ProtocolViolation("the broker is shutting down")
-        topics = []
-        for td in req["topic_data"]:
-            parts = []
-            for pd in td["partition_data"]:
-                parts.append((pd["index"], self._stage(pd["records"])))
-            topics.append((td["name"], tuple(parts)))
-        call: messages.ProduceCall = (SESSION.get().conn, hdr.api_version, hdr.client_id, hdr.client_host,
-                                      hdr.principal, req["acks"], req["timeout_ms"], req["transactional_id"],
-                                      tuple(topics))
-        if req["acks"] == 0:
-            respond(None)
-            respond = _unanswered
-        self._queue_produce(call, respond)
+        requests, staged, error = _native.stage_produce_run(
+            frames, count, schemas.PRODUCE.request.flexible_min, self.ring.writer, self.slot,
+            self.cfg.validate_compressed, self.cfg.max_uncompressed_batch_bytes, messages.RejectedPayload)
+        self._produce_bytes.inc(staged)
+        replies = _RunReplies(frames, requests, respond)
+        conn = SESSION.get().conn
+        for i, (_, version, client_id, acks, timeout_ms, transactional_id, topics) in enumerate(requests):
+            call: messages.ProduceCall = (conn, version, client_id, hdr.client_host, hdr.principal, acks, timeout_ms,
+                                          transactional_id, topics)
+            self._queue_produce(call, functools.partial(replies.answer, i) if acks else _unanswered)
+        replies.answer_if_done()
+        return None if error is None else malformed_body(schemas.PRODUCE.key, *error)
 
-    def _queue_produce(self, call: messages.ProduceCall, respond: Respond) -> None:
+    def _queue_produce(self, call: messages.ProduceCall, respond: Reply) -> None:
         """Queue a produce call, answered through respond. The calls a
         connection makes in one pass of the event loop go to the log process
         as one: librdkafka sends a Produce request per partition, ten and more
@@ -258,26 +309,6 @@ class Worker:
                 respond(RemoteError(result.message) if isinstance(result, messages.ProduceFailed) else result)
 
         replies.add_done_callback(answered)
-
-    def _stage(self, payload: memoryview | None) -> messages.RingPayload | messages.RejectedPayload:
-        if payload is None or len(payload) == 0:
-            return messages.RejectedPayload(ErrorCode.INVALID_RECORD, "no records")
-        try:
-            batches = _native.validate_batches(payload, self.cfg.validate_compressed,
-                                               self.cfg.max_uncompressed_batch_bytes)
-        except _native.BatchError as exc:
-            return messages.RejectedPayload(exc.code, str(exc))
-        n = len(payload)
-        if n > self.ring.size:
-            return messages.RejectedPayload(ErrorCode.MESSAGE_TOO_LARGE, f"{n} bytes exceed the produce buffer")
-        start = self.ring.put(payload)
-        if start is None:
-            return messages.RejectedPayload(ErrorCode.NOT_ENOUGH_REPLICAS, RING_FULL)
-        for b in batches:
-            if b.max_timestamp_fixed:
-                _native.set_max_timestamp(self.ring.view(start, n), b)
-        self._produce_bytes.inc(n)
-        return self.slot, start, n
 
     # ---------------------------------------------------------------- Fetch
     async def fetch(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:

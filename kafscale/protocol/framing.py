@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafscale import _native
+from kafscale.protocol import codec
 from kafscale.protocol.codec import DecodeError, Reader, Writer
-from kafscale.protocol.schemas import API_VERSIONS, APIS
+from kafscale.protocol.schemas import API_VERSIONS, APIS, PRODUCE
 
 _HDR = struct.Struct(">hhi")
 _I32 = struct.Struct(">i")
@@ -80,6 +81,16 @@ def encode_response(header: RequestHeader, body: dict[str, Any]) -> list[Any]:
     api.response.encode(body, header.api_version, w)
     chunks = w.finish()
     return [_I32.pack(w.size), *chunks]
+
+
+def encode_produce_responses(answers: list[tuple[int, int, dict[str, Any]]]) -> bytes:
+    """Produce responses framed back to back in one native call, each answer
+    a (correlation id, version, body); in strict mode each body is checked
+    against its schema first, as encode_response does."""
+    if codec.STRICT:
+        for _, version, body in answers:
+            PRODUCE.response.codec(version).check_all(body)
+    return _native.encode_produce_responses(answers, PRODUCE.response.flexible_min)
 
 
 def encode_request(api_key: int, api_version: int, correlation_id: int, body: dict[str, Any],

@@ -2,22 +2,29 @@
 its read time limits (an idle connection is closed, one that sends a
 frame's size and stalls is closed, and connections that keep sending, or wait
 for an answer, are not, however long they last), frames split however their
-bytes arrive, and requests answered by direct handlers, in order with the
-others."""
+bytes arrive, and runs of Produce requests answered by a run handler, in
+order with the others."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kafscale.broker.context import RequestContext
-from kafscale.broker.server import ConnectionLimits, KafkaServer, ProtocolViolation, Respond
+from kafscale.broker.server import (
+    ConnectionLimits,
+    KafkaServer,
+    ProtocolViolation,
+    RunRespond,
+    failed_answer,
+    parse_header,
+    run_frames,
+)
 from kafscale.protocol.codec import Reader
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.framing import decode_response, encode_request
+from kafscale.protocol.framing import decode_response, encode_produce_responses, encode_request
 from kafscale.protocol.schemas import METADATA, PRODUCE
 
 LIMIT_S = 0.4  # both the idle and the read limit
@@ -125,33 +132,55 @@ def test_a_connection_waiting_for_an_answer_is_not_idle() -> None:
     _on_a_connection(check, slow_s=3 * LIMIT_S)
 
 
-def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_code() -> None:
-    """A direct handler (a worker's Produce) answers without a task: its
-    responses still follow the order the requests came in, a failure is the
-    client's error code on an open connection, acks=0 gets no response, and
-    a protocol violation closes the connection after the responses before
-    it. Every request's bytes go back to the listener's budget, answered or
-    not."""
-    def produce(hdr: RequestContext, req: dict[str, Any], respond: Respond) -> None:
-        name = req["topic_data"][0]["name"]
-        if name == "raises":
-            raise RuntimeError("staging failed")
-        if req["acks"] == 0:
-            respond(None)
-        elif name == "fails":
-            asyncio.get_running_loop().call_soon(respond, RuntimeError("the log process failed"))
-        elif name == "closing":
-            asyncio.get_running_loop().call_soon(respond, ProtocolViolation("the broker is shutting down"))
-        elif name == "violates":
-            raise ProtocolViolation("the broker is shutting down")
-        elif name != "never":
-            respond({"responses": [{"name": name, "partition_responses": [
-                {"index": 0, "error_code": 0, "base_offset": 5}]}], "throttle_time_ms": 0})
+def _produce(correlation_id: int, name: str, acks: int = -1) -> bytes:
+    return encode_request(PRODUCE.key, 9, correlation_id, {
+        "transactional_id": None, "acks": acks, "timeout_ms": 1000,
+        "topic_data": [{"name": name, "partition_data": [{"index": 0, "records": b""}]}]})
 
-    def request(correlation_id: int, name: str, acks: int = -1) -> bytes:
-        return encode_request(PRODUCE.key, 9, correlation_id, {
-            "transactional_id": None, "acks": acks, "timeout_ms": 1000,
-            "topic_data": [{"name": name, "partition_data": [{"index": 0, "records": b""}]}]})
+
+def _code(answer: bytes) -> int:
+    return decode_response(PRODUCE.key, 9, answer)[1]["responses"][0]["partition_responses"][0]["error_code"]
+
+
+async def _answers(reader: asyncio.StreamReader, n: int) -> list[bytes]:
+    answers = []
+    for _ in range(n):
+        (size,) = struct.unpack(">i", await asyncio.wait_for(reader.readexactly(4), 5))
+        answers.append(await reader.readexactly(size))
+    return answers
+
+
+def test_runs_of_produces_are_answered_in_request_order_and_a_failure_is_an_error_code() -> None:
+    """Produce requests a connection sends back to back reach the run handler
+    together (with the frames that came in pieces as runs of one): their
+    answers follow the order of the requests, after a slower one sent before
+    them; a run whose handler raises gets an error code for each request
+    (none for acks=0) on an open connection; a run answered with a protocol
+    violation, or holding a request that does not decode, closes the
+    connection after the answers before it. Every request's bytes go back
+    to the listener's budget, answered or not."""
+    runs: list[int] = []
+
+    def produce_run(hdr: RequestContext, frames: memoryview, count: int, respond: RunRespond
+                    ) -> ProtocolViolation | None:
+        runs.append(count)
+        reqs = [(frame, *PRODUCE.request.decode(frame, 9, parse_header(frame)[-1]))
+                for frame in run_frames(frames, count)]
+        names = [req["topic_data"][0]["name"] for _, req, _ in reqs]
+        if "raises" in names:
+            raise RuntimeError("staging failed")
+        if names[0] == "violates":  # the first request does not decode: none before it to answer
+            respond(b"")
+            return ProtocolViolation("a request of the run does not decode")
+        if "closing" in names:
+            asyncio.get_running_loop().call_soon(respond, ProtocolViolation("the broker is shutting down"))
+        elif "never" not in names:
+            answers = [failed_answer(frame, RuntimeError("the log process failed")) if name == "fails"
+                       else (parse_header(frame)[2], 9, {"responses": [{"name": name, "partition_responses": [
+                           {"index": 0, "error_code": 0, "base_offset": 5}]}], "throttle_time_ms": 0})
+                       for (frame, req, _), name in zip(reqs, names, strict=True) if req["acks"] != 0]
+            asyncio.get_running_loop().call_soon(respond, encode_produce_responses([a for a in answers if a]))
+        return None
 
     async def run() -> None:
         async def metadata(hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
@@ -159,27 +188,34 @@ def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_cod
             return {"throttle_time_ms": 0, "brokers": [], "cluster_id": "c", "controller_id": -1, "topics": []}
 
         limits = ConnectionLimits(1 << 20, 1 << 20, 10, read_timeout_s=5, idle_timeout_s=5, write_timeout_s=5)
-        server = KafkaServer({METADATA.key: metadata}, "127.0.0.1", 0, limits, direct={PRODUCE.key: produce})
+        server = KafkaServer({METADATA.key: metadata}, "127.0.0.1", 0, limits, produce_run=produce_run)
         await server.start()
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(_request(1) + request(2, "t") + request(3, "fails") + request(4, "t", acks=0)
-                         + request(5, "raises") + request(6, "t") + request(7, "closing") + request(8, "never"))
-            answers = []
-            for _ in range(5):
-                (size,) = struct.unpack(">i", await asyncio.wait_for(reader.readexactly(4), 5))
-                answers.append(await reader.readexactly(size))
-            assert [struct.unpack_from(">i", a)[0] for a in answers] == [1, 2, 3, 5, 6]
-            codes = [decode_response(PRODUCE.key, 9, a)[1]["responses"][0]["partition_responses"][0]["error_code"]
-                     for a in answers[1:]]
-            assert codes == [0, ErrorCode.UNKNOWN_SERVER_ERROR, ErrorCode.UNKNOWN_SERVER_ERROR, 0]
-            assert await asyncio.wait_for(reader.read(), 5) == b""  # a violation closes the connection
+            writer.write(_request(1) + _produce(2, "t") + _produce(3, "fails") + _produce(4, "t", acks=0)
+                         + _produce(5, "t"))
+            answers = await _answers(reader, 4)
+            assert [struct.unpack_from(">i", a)[0] for a in answers] == [1, 2, 3, 5]
+            assert [_code(a) for a in answers[1:]] == [0, ErrorCode.UNKNOWN_SERVER_ERROR, 0]
+            assert runs == [4]
+            in_pieces = _produce(6, "t")
+            for i in range(len(in_pieces)):  # a byte at a time: runs of one
+                writer.write(in_pieces[i:i + 1])
+                await writer.drain()
+            writer.write(_produce(7, "raises") + _produce(8, "t", acks=0) + _produce(9, "t"))
+            answers = await _answers(reader, 3)
+            assert [struct.unpack_from(">i", a)[0] for a in answers] == [6, 7, 9]
+            assert [_code(a) for a in answers] == [0, ErrorCode.UNKNOWN_SERVER_ERROR, ErrorCode.UNKNOWN_SERVER_ERROR]
+            assert runs[1:] == [1, 3]
+            writer.write(_produce(10, "t") + _request(11) + _produce(12, "closing") + _produce(13, "never"))
+            assert [struct.unpack_from(">i", a)[0] for a in await _answers(reader, 2)] == [10, 11]
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # the violation closes the connection
             writer.close()
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(request(1, "t") + request(2, "violates") + request(3, "never") + request(4, "t"))
-            (size,) = struct.unpack(">i", await asyncio.wait_for(reader.readexactly(4), 5))
-            assert struct.unpack_from(">i", await reader.readexactly(size))[0] == 1
-            assert await asyncio.wait_for(reader.read(), 5) == b""  # 2 closes the connection; 3 is dropped
+            writer.write(_produce(1, "t"))
+            assert struct.unpack_from(">i", (await _answers(reader, 1))[0])[0] == 1
+            writer.write(_produce(2, "violates") + _produce(3, "t"))
+            assert await asyncio.wait_for(reader.read(), 5) == b""
             writer.close()
             await _budget_given_back(server)
         finally:
@@ -189,18 +225,18 @@ def test_direct_answers_go_out_in_request_order_and_a_failed_one_is_an_error_cod
 
 
 def test_the_in_flight_limit_holds_back_reading() -> None:
-    """A connection with max in-flight requests unanswered is read no further
-    (one more is read: the send loop's, waiting for its answer) until
-    answers go out; then reading goes on, and every answer follows the
+    """A connection with max in-flight requests read and not yet answered is
+    read no further until answers go out (a run takes no more requests than
+    there is room for); then reading goes on, and every answer follows the
     order of the requests."""
-    held: list[Respond] = []
+    held: list[tuple[RunRespond, list[int]]] = []
 
-    def produce(hdr: RequestContext, req: dict[str, Any], respond: Respond) -> None:
-        held.append(functools.partial(respond, {"responses": [], "throttle_time_ms": 0}))
+    def produce_run(hdr: RequestContext, frames: memoryview, count: int, respond: RunRespond) -> None:
+        held.append((respond, [parse_header(frame)[2] for frame in run_frames(frames, count)]))
 
     async def run() -> None:
         limits = ConnectionLimits(1 << 20, 1 << 20, 3, read_timeout_s=5, idle_timeout_s=5, write_timeout_s=5)
-        server = KafkaServer({}, "127.0.0.1", 0, limits, direct={PRODUCE.key: produce})
+        server = KafkaServer({}, "127.0.0.1", 0, limits, produce_run=produce_run)
         await server.start()
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
@@ -209,11 +245,11 @@ def test_the_in_flight_limit_holds_back_reading() -> None:
             answers: list[int] = []
             while len(answers) < 20:
                 await asyncio.sleep(0.1)
-                assert len(held) == min(4, 20 - len(answers))
+                assert sum(len(ids) for _, ids in held) == min(3, 20 - len(answers))
                 answering, held[:] = list(held), []
-                for respond in answering:
-                    respond()
-                answers += [await asyncio.wait_for(_answer(reader), 5) for _ in answering]
+                for respond, ids in answering:
+                    respond(encode_produce_responses([(i, 9, {"responses": [], "throttle_time_ms": 0}) for i in ids]))
+                answers += [await asyncio.wait_for(_answer(reader), 5) for _, ids in answering for _ in ids]
             assert answers == list(range(20))
             writer.close()
             await _budget_given_back(server)
