@@ -1089,12 +1089,14 @@ def stage_produce_run(buf, Py_ssize_t count, int flexible_min, RingWriter ring n
     validated (validate_batches) and copied into the ring, a corrected
     maxTimestamp written into the copy."""
     cdef const uint8_t[::1] view = buf
-    cdef Py_ssize_t pos = 0, size, body_at, staged = 0, i
+    cdef Py_ssize_t pos = 0, size, body_at, staged = 0, i, end = view.shape[0]
     cdef const uint8_t *p
     cdef int version
     decoded = []
     error = None
     for i in range(count):
+        if end - pos < 14 or rd_i32(&view[pos]) < 10 or rd_i32(&view[pos]) > end - pos - 4:
+            raise ValueError(f"no complete request frame at byte {pos} of the run")
         p = &view[pos]
         size = rd_i32(p)
         version = rd_i16(p + 6)

@@ -95,6 +95,15 @@ def test_a_full_ring_refuses_with_a_code_every_client_retries():
     assert second[6] == (("t", ((1, RejectedPayload(ErrorCode.NOT_ENOUGH_REPLICAS, _native.RING_FULL)),)),)
 
 
+def test_a_run_shorter_than_its_count_is_refused_before_anything_is_staged():
+    run = _request(9, {"t": [(0, _batch(b"x"))]})
+    for broken in (run + run[:-1], run + struct.pack(">i", 4) + bytes(4), run + b"\x00\x00"):
+        header, _, ring = _ring()
+        with pytest.raises(ValueError):
+            _stage(broken, 2, ring)
+        assert _head(header) == 0
+
+
 @pytest.mark.parametrize("codec", [0, 3])
 def test_a_wrong_max_timestamp_is_corrected_in_the_staged_copy(codec):
     """Sarama sends maxTimestamp -1: the ring's copy gets the records' largest
