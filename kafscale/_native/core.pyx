@@ -964,10 +964,11 @@ cdef object _client_id(const uint8_t *p, Py_ssize_t end, bint flexible, Py_ssize
     return client_id
 
 
-cdef tuple _produce_body(buf, Py_ssize_t pos, int version):
+cdef tuple _produce_body(buf, Py_ssize_t pos, int version, bint dicts):
     """A Produce request body (v3 and later, up to v12) at `pos` of `buf` (a
-    memoryview; records are slices of it), as plain tuples: (transactional_id,
-    acks, timeout_ms, [(name, [(index, records or None), ...]), ...], end)."""
+    memoryview; records are slices of it): (transactional_id, acks,
+    timeout_ms, topics, end), topics as [(name, [(index, records or None),
+    ...]), ...], or with dicts as the schema codec's topic_data list."""
     cdef const uint8_t[::1] view = buf
     cdef Py_ssize_t end = view.shape[0]
     cdef const uint8_t *p = &view[0] if end else NULL
@@ -998,10 +999,10 @@ cdef tuple _produce_body(buf, Py_ssize_t pos, int version):
                 records = buf[start:pos]
             if flex:
                 _skip_tags(p, &pos, end)
-            parts.append((index, records))
+            parts.append({"index": index, "records": records} if dicts else (index, records))
         if flex:
             _skip_tags(p, &pos, end)
-        topics.append((name, parts))
+        topics.append({"name": name, "partition_data": parts} if dicts else (name, parts))
     if flex:
         _skip_tags(p, &pos, end)
     return tid, acks, timeout_ms, topics, pos
@@ -1011,10 +1012,8 @@ def decode_produce_request(buf, Py_ssize_t pos, int version):
     """A Produce request body (v3 and later, up to v12) at `pos` of `buf` (a
     memoryview; records are slices of it): the dict the schema codec
     decodes, and where the body ends."""
-    tid, acks, timeout_ms, topics, end = _produce_body(buf, pos, version)
-    return {"transactional_id": tid, "acks": acks, "timeout_ms": timeout_ms, "topic_data": [
-        {"name": name, "partition_data": [{"index": index, "records": records} for index, records in parts]}
-        for name, parts in topics]}, end
+    tid, acks, timeout_ms, topics, end = _produce_body(buf, pos, version, True)
+    return {"transactional_id": tid, "acks": acks, "timeout_ms": timeout_ms, "topic_data": topics}, end
 
 
 # A produce payload the worker's ring has no room for: every client retries NOT_ENOUGH_REPLICAS.
@@ -1078,8 +1077,8 @@ def produce_run(const uint8_t[::1] buf, Py_ssize_t pos, Py_ssize_t max_size, Py_
 
 def stage_produce_run(buf, Py_ssize_t count, int flexible_min, RingWriter ring not None, int slot,
                       bint deep_compressed, Py_ssize_t max_uncompressed, reject):
-    """stage_produce for each of `count` framed Produce requests back to back
-    in `buf` (as produce_run found them; header v2 from flexible_min on): a
+    """`count` framed Produce requests back to back in `buf` (as produce_run
+    found them; header v2 from flexible_min on), decoded and staged: a
     list of (correlation_id, version, client_id, acks, timeout_ms,
     transactional_id, topics) for the requests up to the first that does not
     decode, the bytes staged for them, and that one's (version, error) (None
@@ -1095,15 +1094,17 @@ def stage_produce_run(buf, Py_ssize_t count, int flexible_min, RingWriter ring n
     decoded = []
     error = None
     for i in range(count):
-        if end - pos < 14 or rd_i32(&view[pos]) < 10 or rd_i32(&view[pos]) > end - pos - 4:
+        if end - pos < 14:
             raise ValueError(f"no complete request frame at byte {pos} of the run")
         p = &view[pos]
         size = rd_i32(p)
+        if size < 10 or size > end - pos - 4:
+            raise ValueError(f"no complete request frame at byte {pos} of the run")
         version = rd_i16(p + 6)
         frame = buf[pos + 4:pos + 4 + size]
         try:
             client_id = _client_id(p + 4, size, version >= flexible_min, &body_at)
-            tid, acks, timeout_ms, topics, _ = _produce_body(frame, body_at, version)
+            tid, acks, timeout_ms, topics, _ = _produce_body(frame, body_at, version, False)
         except ValueError as exc:
             error = (version, str(exc))
             break
