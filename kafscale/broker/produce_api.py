@@ -18,7 +18,7 @@ from kafscale.metadata.store import TopicMeta, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
-from kafscale.storage.partition import Ack, LogError
+from kafscale.storage.partition import Ack, LogError, PartitionLog
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +125,23 @@ class ProduceApi(PartitionApi):
         """Produce requests one connection sent in a row, appended in that
         order under its lock, then waited for together: each one's response
         (None for acks=0), or the exception it failed with (the others are
-        answered all the same)."""
-        for req in reqs:
-            self._start_opening(hdr, req[3])
+        answered all the same). A request whose topics are known here and
+        whose partitions are open (nearly all) is appended without waiting
+        for anything: one pass, no coroutine of its own."""
+        if hdr.append_order.locked():  # an earlier call is appending: open what these need meanwhile
+            self._start_opening(hdr, reqs)
         topics: dict[str, _Topic] = {}  # looked up once for the call: its requests share a principal
         acks = {timeout_ms: Acks() for timeout_ms in {req[1] for req in reqs}}
         appended: list[list[dict[str, Any]] | Exception] = []
         async with hdr.append_order:  # appends in the order the connection sent them
-            for req in reqs:
+            for i, req in enumerate(reqs):
                 try:
-                    appended.append(await self._append(hdr, req, topics, acks[req[1]] if req[0] != 0 else None))
+                    logs = self._resolve(hdr, req, topics, None)
+                    if logs is None:  # a topic to look up or a partition to open first
+                        self._start_opening(hdr, reqs[i + 1:])
+                        logs = self._resolve(hdr, req, topics, await self._open(hdr, req, topics))
+                        assert logs is not None
+                    appended.append(self._append(hdr, req, topics, logs, acks[req[1]] if req[0] != 0 else None))
                 except Exception as exc:
                     log.exception("produce failed")
                     appended.append(exc)
@@ -144,27 +151,85 @@ class ProduceApi(PartitionApi):
         return [done if isinstance(done, Exception) else None if req[0] == 0
                 else {"responses": done, "throttle_time_ms": 0} for req, done in zip(reqs, appended, strict=True)]
 
-    async def _topic(self, hdr: RequestContext, name: str) -> _Topic:
-        writable = self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, name)
-        meta = self.partitions.topics.get(name) if writable else None
-        if meta is None and writable:  # not known here yet: look it up, maybe create it
-            meta = await self.partitions.topic(name, self.access.may_create_topic(hdr, name))
-        limit = topic_config.value(meta.config, "max.message.bytes", self.partitions.defaults) if meta else 0
-        return writable, meta, limit
+    def _known_topic(self, hdr: RequestContext, name: str) -> _Topic | None:
+        """What a call's requests need of a topic, when that is known without
+        a lookup (None: look it up, _topic)."""
+        if not self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, name):
+            return False, None, 0
+        meta = self.partitions.topics.get(name)
+        if meta is None:
+            return None
+        return True, meta, topic_config.value(meta.config, "max.message.bytes", self.partitions.defaults)
 
-    async def _append(self, hdr: RequestContext, req: ProduceRequest, topics: dict[str, _Topic],
-                      durable: Acks | None) -> list[dict[str, Any]]:
-        """Append a request's batches (under the connection's lock): its
-        responses; those of batches appended wait in `durable` (None: acks=0)."""
-        acks, _, transactional_id, topic_data = req
-        responses = []
-        for name, partition_data in topic_data:
+    async def _topic(self, hdr: RequestContext, name: str) -> _Topic:
+        """What a call's requests need of a topic not known here yet: looked up, maybe created."""
+        known = self._known_topic(hdr, name)
+        if known is not None:
+            return known
+        meta = await self.partitions.topic(name, self.access.may_create_topic(hdr, name))
+        limit = topic_config.value(meta.config, "max.message.bytes", self.partitions.defaults) if meta else 0
+        return True, meta, limit
+
+    def _resolve(self, hdr: RequestContext, req: ProduceRequest, topics: dict[str, _Topic],
+                 failed: dict[tuple[str, int], LogError] | None) -> list[PartitionLog | LogError | None] | None:
+        """The log of each partition a request writes to, in its order (None
+        where it may not or cannot be written: _append says why), or None
+        when a topic must be looked up or a partition opened first (_open).
+        After _open (with its failures as `failed`) it never returns None: a
+        partition whose open failed has its error, one closed again since has
+        NOT_LEADER_OR_FOLLOWER."""
+        logs: list[PartitionLog | LogError | None] = []
+        for name, partition_data in req[3]:
             topic = topics.get(name)
             if topic is None:
-                topic = topics[name] = await self._topic(hdr, name)
-            writable, meta, limit = topic
+                topic = self._known_topic(hdr, name)
+                if topic is None:
+                    return None
+                topics[name] = topic
+            writable, meta, _ = topic
+            for index, _ in partition_data:
+                if not writable or not has_partition(meta, index):
+                    logs.append(None)
+                elif (lg := self.partitions.open_log(meta.name, index)) is not None:
+                    logs.append(lg)
+                elif failed is None:
+                    return None
+                else:
+                    logs.append(failed.get((name, index)) or LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER,
+                                                                      f"{name}/{index} closed"))
+        return logs
+
+    async def _open(self, hdr: RequestContext, req: ProduceRequest, topics: dict[str, _Topic]
+                    ) -> dict[tuple[str, int], LogError]:
+        """Look up the topics a request names that are not known yet and open
+        its partitions that are not open yet: why those that could not be opened were not."""
+        failed: dict[tuple[str, int], LogError] = {}
+        for name, partition_data in req[3]:
+            if name not in topics:
+                topics[name] = await self._topic(hdr, name)
+            writable, meta, _ = topics[name]
+            for index, _ in partition_data:
+                if writable and has_partition(meta, index):
+                    try:
+                        await self.partitions.partition_log(meta.name, index)
+                    except LogError as exc:
+                        failed[(name, index)] = exc
+        return failed
+
+    def _append(self, hdr: RequestContext, req: ProduceRequest, topics: dict[str, _Topic],
+                logs: list[PartitionLog | LogError | None], durable: Acks | None) -> list[dict[str, Any]]:
+        """Append a request's batches to their logs (_resolve's; under the
+        connection's lock): its responses; those of batches appended wait in
+        `durable` (None: acks=0)."""
+        acks, _, transactional_id, topic_data = req
+        responses = []
+        i = 0
+        for name, partition_data in topic_data:
+            writable, _, limit = topics[name]
             parts = []
             for index, accepted in partition_data:
+                lg = logs[i]
+                i += 1
                 # the fields a success leaves at their defaults are left out (the encoder writes them)
                 r: dict[str, Any] = {"index": index, "error_code": 0, "base_offset": -1, "log_start_offset": -1}
                 parts.append(r)
@@ -178,15 +243,15 @@ class ProduceApi(PartitionApi):
                         raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
                     if transactional_id is not None:
                         raise LogError(ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, NO_TRANSACTIONS)
-                    if not has_partition(meta, index):
+                    if lg is None:
                         raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{name}/{index}")
+                    if isinstance(lg, LogError):
+                        raise lg
                     data, release = payload
                     batches = _native.scan_batches(data)
                     for b in batches:  # not any(generator): with PartitionLog.append, 2.5% of a request's instructions
                         if b.size > limit:
                             raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
-                    lg = (self.partitions.open_log(meta.name, index)  # without a coroutine when open
-                          or await self.partitions.partition_log(meta.name, index))
                     try:
                         r["base_offset"] = lg.append(data, batches, None if durable is None else durable.expect(r),
                                                      release)
@@ -205,23 +270,24 @@ class ProduceApi(PartitionApi):
             responses.append({"name": name, "partition_responses": parts})
         return responses
 
-    def _start_opening(self, hdr: RequestContext, topic_data: ProduceTopics) -> None:
-        """Start opening the partitions a request may write to that are not
-        open yet, before it waits for its turn to append: the produces a
-        connection sends to partitions not open yet (librdkafka sends one
+    def _start_opening(self, hdr: RequestContext, reqs: list[ProduceRequest]) -> None:
+        """Start opening the partitions these requests may write to that are
+        not open yet, before they wait for their turn to append: the produces
+        a connection sends to partitions not open yet (librdkafka sends one
         request per partition; a first produce to a large topic reaches every
         partition) then open all at once, not one after another behind the
         connection's append order."""
-        for name, partition_data in topic_data:
-            meta = self.partitions.topics.get(name)
-            if meta is None:
-                continue
-            closed = [p for p, _ in partition_data if not self.partitions.is_open(meta.name, p)]
-            if not closed or not self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, meta.name):
-                continue
-            for p in closed:
-                if has_partition(meta, p):
-                    self.partitions.open_soon(meta.name, p)
+        for req in reqs:
+            for name, partition_data in req[3]:
+                meta = self.partitions.topics.get(name)
+                if meta is None:
+                    continue
+                closed = [p for p, _ in partition_data if not self.partitions.is_open(meta.name, p)]
+                if not closed or not self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, meta.name):
+                    continue
+                for p in closed:
+                    if has_partition(meta, p):
+                        self.partitions.open_soon(meta.name, p)
 
     async def init_producer_id(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         if req.get("transactional_id") is not None:
