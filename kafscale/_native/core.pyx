@@ -552,6 +552,50 @@ def patch_batch(uint8_t[::1] buf, Py_ssize_t position, int64_t base_offset, int3
     wr_i32(&buf[position + 12], leader_epoch)
 
 
+cdef struct _SegStats:
+    int64_t count  # records
+    int64_t min_ts  # smallest base timestamp
+    int64_t max_ts  # largest max timestamp
+    int64_t last_offset
+
+
+cdef Py_ssize_t _place_batches(uint8_t *d, Py_ssize_t pos, object payload, int64_t base, Py_ssize_t origin,
+                               _SegStats *st, list positions, list bases) except -1:
+    """Copy a payload's batches to d + pos, each with its base offset patched
+    in (from `base` on) and its leader epoch zeroed; appends each one's
+    position (from `origin`) and base offset; returns where they end."""
+    cdef const uint8_t[::1] src = payload
+    cdef Py_ssize_t n = src.shape[0], at = 0, bpos
+    cdef int64_t ts
+    if n:
+        memcpy(d + pos, &src[0], n)
+    while at < n:
+        b = read_header(d + pos, at, n, False)
+        bpos = pos + at
+        wr_i64(d + bpos, base)
+        wr_i32(d + bpos + 12, 0)
+        positions.append(bpos - origin)
+        bases.append(base)
+        st.count += (<BatchInfo>b).record_count
+        ts = (<BatchInfo>b).base_timestamp
+        if ts < st.min_ts:
+            st.min_ts = ts
+        ts = (<BatchInfo>b).max_timestamp
+        if ts > st.max_ts:
+            st.max_ts = ts
+        st.last_offset = base + (<BatchInfo>b).last_offset_delta
+        base = st.last_offset + 1
+        at += (<BatchInfo>b).size
+    return pos + n
+
+
+cdef inline void _start_stats(_SegStats *st) noexcept nogil:
+    st.count = 0
+    st.min_ts = 0x7FFFFFFFFFFFFFFF
+    st.max_ts = -1
+    st.last_offset = -1
+
+
 def assemble_segment(list parts, Py_ssize_t header_size, Py_ssize_t footer_size, Py_ssize_t index_interval):
     """The batches of a segment, copied once into a new buffer: `parts` are
     (payload, assigned base offset) pairs, a payload holding one or more
@@ -563,53 +607,98 @@ def assemble_segment(list parts, Py_ssize_t header_size, Py_ssize_t footer_size,
     named one. Returns (buffer, end of the batches, CRC32C of the batches,
     batch positions, batch base offsets, index entries, records, smallest
     base timestamp, largest max timestamp, last offset)."""
-    cdef Py_ssize_t total = 0, pos = header_size, bpos, n, at, last_indexed = -index_interval
-    cdef int64_t base, min_ts = 0x7FFFFFFFFFFFFFFF, max_ts = -1, last_offset = -1, ts
-    cdef int64_t count = 0
-    cdef int32_t delta
-    cdef const uint8_t[::1] src
+    cdef Py_ssize_t total = 0, pos = header_size, last_indexed = -index_interval, bpos, i
+    cdef _SegStats st
     cdef uint8_t *d
     cdef uint8_t entry[12]
     cdef uint32_t crc
+    _start_stats(&st)
     for payload, base_obj in parts:
         total += len(payload)
     data = bytearray(header_size + total + footer_size)
     d = <uint8_t *>PyByteArray_AS_STRING(data)
     positions, bases, entries = [], [], bytearray()
     for payload, base_obj in parts:
-        src = payload
-        n = src.shape[0]
-        base = base_obj
-        if n:
-            memcpy(d + pos, &src[0], n)
-        at = 0
-        while at < n:
-            b = read_header(d + pos, at, n, False)
-            bpos = pos + at
-            wr_i64(d + bpos, base)
-            wr_i32(d + bpos + 12, 0)
-            positions.append(bpos)
-            bases.append(base)
-            if bpos - last_indexed >= index_interval:
-                wr_i64(entry, base)
-                wr_i32(entry + 8, <int32_t>bpos)
-                entries += entry[:12]
-                last_indexed = bpos
-            count += (<BatchInfo>b).record_count
-            ts = (<BatchInfo>b).base_timestamp
-            if ts < min_ts:
-                min_ts = ts
-            ts = (<BatchInfo>b).max_timestamp
-            if ts > max_ts:
-                max_ts = ts
-            delta = (<BatchInfo>b).last_offset_delta
-            last_offset = base + delta
-            base = last_offset + 1
-            at += (<BatchInfo>b).size
-        pos += n
+        pos = _place_batches(d, pos, payload, base_obj, 0, &st, positions, bases)
+    for i in range(len(positions)):
+        bpos = positions[i]
+        if bpos - last_indexed >= index_interval:
+            wr_i64(entry, bases[i])
+            wr_i32(entry + 8, <int32_t>bpos)
+            entries += entry[:12]
+            last_indexed = bpos
     with nogil:
         crc = ks_crc32c(0, d + header_size, pos - header_size, 0)
-    return data, pos, crc, positions, bases, bytes(entries), count, min_ts, max_ts, last_offset
+    return data, pos, crc, positions, bases, bytes(entries), st.count, st.min_ts, st.max_ts, st.last_offset
+
+
+cdef bytes _tables(list bases, list positions):
+    """A cache entry's tables (shm.CacheRef): every base offset, then every
+    position, as native-endian 8-byte integers."""
+    cdef Py_ssize_t n = len(bases), i
+    out = PyBytes_FromStringAndSize(NULL, 16 * n)
+    cdef int64_t *t = <int64_t *>(<char *>out)
+    for i in range(n):
+        t[i] = bases[i]
+        t[n + i] = positions[i]
+    return out
+
+
+def assemble_node(list slices, int64_t created_ms, uint32_t segment_magic, int version, uint32_t footer_magic):
+    """A node object's slices, back to back in one new buffer, each a whole
+    segment (storage/segment.py's layout: a 32-byte header of magic u32,
+    version u16, flags u16, base offset i64, records i32, created_ms i64 and
+    4 zero bytes; the batches; a 16-byte footer of the batches' CRC32C u32,
+    last offset i64 and footer magic u32; all big-endian). `slices` holds
+    each slice's queued batches, objects with a `payload` (one or more
+    batches back to back) and the `base` offset assigned to it; each batch
+    gets its base offset patched in and its leader epoch zeroed, as
+    assemble_segment does. Returns (buffer, one tuple a slice of: position,
+    size, base offset, last offset, records, smallest base timestamp,
+    largest max timestamp, and its cache tables (_tables; positions from
+    the slice's start)). One call for a flush: built slice by slice, the
+    per-slice work was a third of the log process's at 1,000 partitions."""
+    cdef Py_ssize_t total = 0, pos = 0, start, end
+    cdef _SegStats st
+    cdef uint8_t *d
+    cdef uint8_t *h
+    cdef uint32_t crc
+    cdef int64_t first
+    for items in slices:
+        total += 48
+        for p in items:
+            total += len(p.payload)
+    data = bytearray(total)
+    d = <uint8_t *>PyByteArray_AS_STRING(data)
+    infos = []
+    for items in slices:
+        start = pos
+        pos += 32
+        _start_stats(&st)
+        positions, bases = [], []
+        for p in items:
+            pos = _place_batches(d, pos, p.payload, p.base, start, &st, positions, bases)
+        end = pos
+        if not bases:
+            raise ValueError("a slice needs at least one batch")
+        with nogil:
+            crc = ks_crc32c(0, d + start + 32, end - start - 32, 0)
+        first = bases[0]
+        h = d + start
+        wr_i32(h, <int32_t>segment_magic)
+        wr_i16(h + 4, version)
+        wr_i16(h + 6, 0)
+        wr_i64(h + 8, first)
+        wr_i32(h + 16, <int32_t>st.count)
+        wr_i64(h + 20, created_ms)
+        wr_i32(h + 28, 0)
+        wr_i32(d + end, <int32_t>crc)
+        wr_i64(d + end + 4, st.last_offset)
+        wr_i32(d + end + 12, <int32_t>footer_magic)
+        pos = end + 16
+        infos.append((start, pos - start, first, st.last_offset, st.count, st.min_ts, st.max_ts,
+                      _tables(bases, positions)))
+    return data, infos
 
 
 def iter_records(BatchInfo batch, const uint8_t[::1] buf):

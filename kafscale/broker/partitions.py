@@ -38,7 +38,6 @@ from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.types import TopicPartition
 from kafscale.security.acl import Operation, ResourceType
-from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
@@ -144,8 +143,10 @@ class RecentCache(SegmentSource, Protocol):
         """About how long a segment put now stays in the cache (math.inf: for good)."""
         ...
 
-    def put_many(self, entries: list[tuple[str, CachedSegment]]) -> None:
-        """put each (key, segment): a node object's slices, committed together."""
+    def put_object(self, body: memoryview, entries: list[tuple[str, int, int, bytes]]) -> None:
+        """Put the segments that lie back to back in body, each entry their key,
+        position, size and tables (shm.segment_tables): a node object's
+        slices, committed together."""
         ...
 
 

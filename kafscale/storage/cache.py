@@ -25,6 +25,12 @@ class CachedSegment:
         return cls(seg.data, seg.batch_bases, seg.positions)
 
     @classmethod
+    def from_tables(cls, data: memoryview, tables: memoryview) -> CachedSegment:
+        """data, with its tables (shm.segment_tables: base offsets, then positions, 8-byte integers)."""
+        half = len(tables) // 2
+        return cls(data, tables[:half].cast("q"), tables[half:].cast("q"))
+
+    @classmethod
     def from_object(cls, data: bytes | memoryview) -> CachedSegment:
         _, body, _ = open_segment(data)
         infos = _native.scan_batches(body)

@@ -46,7 +46,8 @@ from kafscale.config import Config
 from kafscale.metadata.store import SHARED_PARTITIONS, TXN_MAX_OPS, MetaStore, SegmentManifest
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import PartitionLog
-from kafscale.storage.wal import Slice, directory, object_body, retry, shared_key, upload
+from kafscale.storage.segment import BuiltSegment
+from kafscale.storage.wal import Slice, directory, retry, seal, shared_key, upload
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
     key = shared_key(cfg.namespace, fence, seq)
     created = int(time.time() * 1000)
     shares: list[Slice] = []  # one per partition, with no batches of its own (they are committed already)
+    segs: dict[PartitionLog, BuiltSegment] = {}  # the segment each one's slice is
     merged: dict[PartitionLog, list[int]] = {}  # the base offsets of the segments each one merges
     ids: dict[str, bytes] = {}
     spare = TXN_MAX_OPS - 1 - 2 * len(logs)  # the transaction's operations left for merged manifests' deletes
@@ -155,13 +157,14 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
         seg = built[2]
         merged[lg] = [m.base for m in built[0]]
         spare -= max(len(built[0]) - 1, 0)
-        shares.append(Slice(lg, [], seg, lg.compacted_manifest(built, key, pos)))
+        shares.append(Slice(lg, lg.compacted_manifest(built, key, pos), []))
+        segs[lg] = seg
         pos += len(seg.data)
         await asyncio.sleep(0)  # one partition's segment at a time: 20 in one go held the event loop for up to 48 ms
     if not shares:
         return 0
 
-    body = object_body(shares, directory(key, created, shares, ids))
+    body = seal(bytearray().join([segs[s.log].data for s in shares]), directory(key, created, shares, ids))
     await upload(store, key, body, cfg.s3_timeout_s)
     faults.reached("mid-compaction")
     committed: list[Slice] = []
@@ -175,7 +178,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
             shares[:] = [s for s in shares if not s.log.closed]  # handed over: its slices stay for the next owner
             if not shares:
                 return
-            states = [s.log.compacted_state(s.seg).to_json() for s in shares]
+            states = [s.log.compacted_state(segs[s.log]).to_json() for s in shares]
             t = time.perf_counter()
             ok = await meta.commit_shared(fence, seq, directory(key, created, shares, ids),
                                           [(s.log.topic, s.log.partition, s.log.state_raw(), st, s.manifest,
@@ -206,6 +209,6 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
             await store.delete(key)
         return 0
     for s in committed:  # one partition at a time, as they were built
-        s.log.serve_compacted(s.manifest, s.seg)
+        s.log.serve_compacted(s.manifest, segs[s.log])
         await asyncio.sleep(0)
     return len(committed)

@@ -37,9 +37,8 @@ from kafscale import faults, metrics
 from kafscale.config import Config
 from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest, TopicMeta
 from kafscale.protocol.types import TopicPartition
-from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectExists, ObjectStore
-from kafscale.storage.segment import BuiltSegment, build_segment, topic_marker_key
+from kafscale.storage.segment import build_slices, topic_marker_key
 
 if TYPE_CHECKING:
     from kafscale.broker.partitions import RecentCache
@@ -87,14 +86,13 @@ def shared_key(namespace: str, fence: str, seq: int) -> str:
 
 @dataclass
 class Slice:
-    """One partition's part of a node object: its batches, the segment built of
-    them and that segment's manifest (naming the object and the slice's
-    position). In a shared segment object the segment is compacted from
-    committed slices: no batches of its own are waiting for it."""
+    """One partition's part of a node object or of a shared segment object:
+    its segment's manifest (naming the object and the slice's position) and,
+    in a node object, the batches waiting for it (a shared object's segment
+    is compacted from committed slices: none wait for it)."""
     log: PartitionLog
-    items: list[_Pending]
-    seg: BuiltSegment
     manifest: SegmentManifest
+    items: list[_Pending]
 
 
 _dumps = functools.partial(json.dumps, separators=(",", ":"))
@@ -129,9 +127,18 @@ def layout_order(lg: PartitionLog) -> tuple[str, int]:
     return lg.topic, lg.partition
 
 
-def object_body(slices: list[Slice], dir_raw: bytes) -> bytearray:
-    """A node object (or shared segment object): its slices back to back, the directory, the trailer."""
-    return bytearray().join([*(s.seg.data for s in slices), dir_raw, NODE_TRAILER.pack(len(dir_raw), NODE_MAGIC)])
+# A node object uploaded, waiting for its commit: its directory, its slices, the
+# object and its slices' entries for the cache (RecentCache.put_object), and
+# the future its flush waits on
+_Uploaded = tuple[bytes, list[Slice], tuple[memoryview, list[tuple[str, int, int, bytes]]], asyncio.Future[None]]
+
+
+def seal(body: bytearray, dir_raw: bytes) -> bytearray:
+    """A node object (or shared segment object): body (its slices back to
+    back) with the directory and the trailer appended."""
+    body += dir_raw
+    body += NODE_TRAILER.pack(len(dir_raw), NODE_MAGIC)
+    return body
 
 
 async def upload(store: ObjectStore, key: str, body: bytearray, timeout_s: float) -> None:
@@ -334,7 +341,7 @@ class NodeFlusher:
         self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
         self._flushes: dict[asyncio.Task[None], set[PartitionLog]] = {}  # node objects under way, their logs
         # uploaded node objects of this fence waiting for their commit, by seq: directory, slices, committed
-        self._uploaded: dict[int, tuple[bytes, list[Slice], asyncio.Future[None]]] = {}
+        self._uploaded: dict[int, _Uploaded] = {}
         self._committed = 0  # the last seq committed under this fence
         self._failed: BaseException | None = None  # a commit of this fence failed: no later one commits
         self._committer: asyncio.Task[None] | None = None
@@ -436,15 +443,15 @@ class NodeFlusher:
         try:  # holds an upload slot (taken by _run) until the upload ends
             if self._failed is not None:
                 raise self._failed
-            slices, pos = [], 0
-            for lg, items in sorted(taken, key=lambda t: layout_order(t[0])):
-                seg = build_segment([(p.payload, p.base) for p in items], created)
+            taken.sort(key=lambda t: layout_order(t[0]))
+            body, built = build_slices([items for _, items in taken], created)
+            slices = [Slice(lg, SegmentManifest(base, last, count, size, min_ts, max_ts, key, created,
+                                                lg.producers_of(items), pos), items)
+                      for (lg, items), (pos, size, base, last, count, min_ts, max_ts, _) in zip(taken, built,
+                                                                                               strict=True)]
+            for _, items in taken:
                 for p in items:
                     p.done_with_payload()
-                slices.append(Slice(lg, items, seg, SegmentManifest(
-                    seg.base_offset, seg.last_offset, seg.count, len(seg.data), seg.min_timestamp, seg.max_timestamp,
-                    key, created, lg.producers_of(items), pos)))
-                pos += len(seg.data)
             ids = {}
             for s in slices:
                 tid = self.topic_id(s.log.topic)
@@ -452,7 +459,8 @@ class NodeFlusher:
                     raise Fenced(f"topic {s.log.topic} was deleted")
                 ids[s.log.topic] = tid
             dir_raw = directory(key, created, slices, ids)
-            body = object_body(slices, dir_raw)
+            cached = [(s.manifest.ref, b[0], b[1], b[7]) for s, b in zip(slices, built, strict=True)]
+            body = seal(body, dir_raw)
             metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(body))
             faults.reached("before-upload")
             await upload(self.store, key, body, self.cfg.s3_timeout_s)
@@ -465,7 +473,7 @@ class NodeFlusher:
         if self._failed is not None:
             raise self._failed
         committed = asyncio.get_running_loop().create_future()
-        self._uploaded[seq] = (dir_raw, slices, committed)
+        self._uploaded[seq] = (dir_raw, slices, (memoryview(body), cached), committed)
         if self._committer is None or self._committer.done():
             self._committer = asyncio.create_task(self._commit_uploaded(), name="node commit")
         await committed
@@ -485,26 +493,26 @@ class NodeFlusher:
                 group.append((seq, self._uploaded.pop(seq)))
             keys = f"{node_key(self.cfg.namespace, fence, first)}..{group[-1][0]}"
 
-            async def commit(group: list[tuple[int, tuple[bytes, list[Slice], asyncio.Future[None]]]] = group
+            async def commit(group: list[tuple[int, _Uploaded]] = group
                              ) -> None:
                 await faults.delay("before-commit")
                 t = time.perf_counter()
-                await self.meta.commit_wal(fence, [(seq, raw) for seq, (raw, _, _) in group])
+                await self.meta.commit_wal(fence, [(seq, raw) for seq, (raw, *_) in group])
                 metrics.ETCD_SECONDS.labels(metrics.node()).observe(time.perf_counter() - t)
 
             try:
                 await retry(f"commit of {keys}", commit)
             except Exception as exc:
-                for _, (_, _, fut) in group:
+                for _, (*_, fut) in group:
                     fut.set_exception(exc)
                 self._fail(exc)
                 return
             faults.reached("after-commit")
             self._committed = group[-1][0]
             turns = Turns(COMMITTED_TURN)  # the acknowledgements so far go out first
-            for _, (_, slices, fut) in group:
+            for _, (_, slices, (body, cached), fut) in group:
                 try:
-                    self.cache.put_many([(s.manifest.ref, CachedSegment.from_built(s.seg)) for s in slices])
+                    self.cache.put_object(body, cached)
                     for s in slices:
                         s.log.committed(s.manifest, s.items)
                         await turns.did()
@@ -519,7 +527,7 @@ class NodeFlusher:
         as they finish."""
         if self._failed is None:
             self._failed = Fenced(f"an earlier node object failed: {exc!r}")
-        for _, _, fut in self._uploaded.values():
+        for *_, fut in self._uploaded.values():
             if not fut.done():
                 fut.set_exception(self._failed)
         self._uploaded.clear()

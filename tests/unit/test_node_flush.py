@@ -889,7 +889,7 @@ def test_a_directory_reads_back_as_the_slices_it_lists() -> None:
         m = SegmentManifest(100 * i, 100 * i + 9, 10, 700, -1 if i == 3 else 1_700_000_000_000 + i,
                             -1 if i == 3 else 1_700_000_000_500, "ns/wal/1-f/000000000007", 1_700_000_001_000,
                             {"42": [1, [[0, 9, 100 * i]]]} if i % 3 == 0 else {}, 700 * i)
-        slices.append(Slice(SimpleNamespace(topic=topic, partition=i), [], None, m))  # type: ignore[arg-type]
+        slices.append(Slice(SimpleNamespace(topic=topic, partition=i), m, []))  # type: ignore[arg-type]
         expected.append((topic, topics[topic].hex(), i, m))
     raw = wal.directory("ns/wal/1-f/000000000007", 1_700_000_001_000, slices, topics)
     assert json.loads(raw)["created_ms"] == 1_700_000_001_000

@@ -19,6 +19,7 @@ from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
 from kafscale.protocol.errors import ErrorCode
 from kafscale.storage import partition
+from kafscale.storage.cache import CachedSegment
 from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import SWEEP_GATHER_S, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
@@ -44,8 +45,9 @@ class DictCache:
     def put(self, key, seg):
         self.segments[key] = seg
 
-    def put_many(self, entries):
-        self.segments.update(entries)
+    def put_object(self, body, entries):
+        for key, pos, n, tables in entries:
+            self.segments[key] = CachedSegment.from_tables(body[pos:pos + n], memoryview(tables))
 
     def drop_prefix(self, prefix):
         self.segments = {k: v for k, v in self.segments.items() if not k.startswith(prefix)}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import struct
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,6 +11,7 @@ from kafscale.storage.cache import CachedSegment
 from kafscale.storage.segment import (
     SegmentFormatError,
     build_segment,
+    build_slices,
     index_key,
     open_segment,
     parse_index,
@@ -56,6 +58,30 @@ def test_a_malformed_payload_builds_no_segment():
         build_segment([(b[0] + b"\0" * 20, 0)], created_ms=0)
     with pytest.raises(SegmentFormatError):
         build_segment([(b"", 0)], created_ms=0)
+
+
+def test_a_node_objects_slices_are_the_segments_build_segment_makes():
+    """build_slices writes a flush's slices in one native call: each is
+    byte for byte the segment build_segment makes of the same batches (less
+    its index), and its cache tables name every batch."""
+    bs = batches(7)
+    parts = [[(bs[0] + bs[1], 40), (bs[2], 46)], [(bs[3], 0)], [(bs[4], 9), (bs[5], 12), (bs[6], 15)]]
+    queued = [[SimpleNamespace(payload=memoryview(p), base=base) for p, base in slice_parts] for slice_parts in parts]
+    body, built = build_slices(queued, 1234)
+    pos = 0
+    for slice_parts, (at, size, base, last, count, min_ts, max_ts, tables) in zip(parts, built, strict=True):
+        seg = build_segment(slice_parts, created_ms=1234)
+        assert (at, size) == (pos, len(seg.data)) and bytes(body[at:at + size]) == bytes(seg.data)
+        assert (base, last, count, min_ts, max_ts) == (seg.base_offset, seg.last_offset, seg.count,
+                                                       seg.min_timestamp, seg.max_timestamp)
+        cached = CachedSegment.from_tables(memoryview(body)[at:at + size], memoryview(tables))
+        assert list(cached.bases) == seg.batch_bases and list(cached.positions) == seg.positions
+        pos += size
+    assert len(body) == pos
+    with pytest.raises(_native.BatchError):  # a truncated batch: refused, never read past
+        build_slices([[SimpleNamespace(payload=memoryview(bs[0][:-5]), base=0)]], 0)
+    with pytest.raises(ValueError):
+        build_slices([[SimpleNamespace(payload=memoryview(b""), base=0)]], 0)
 
 
 def test_index_bytes_and_lookup():

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kafscale.broker import shm
-from kafscale.broker.shm import CacheReader, RingTracker, SharedArea, SharedCache, ref_position
+from kafscale.broker.shm import CacheReader, RingTracker, SharedArea, SharedCache, ref_position, segment_tables
 from kafscale.storage.cache import CachedSegment
 
 
@@ -66,24 +66,33 @@ def test_cache_serves_until_overwritten_and_never_overwrites_a_pinned_segment():
     assert got is not None and bytes(got.data) == bytes([2]) * 400
 
 
+def put_object(cache: SharedCache, *segments: tuple[str, int, int]) -> None:
+    """A node object of segments (key, tag, size), back to back, into the cache."""
+    body, entries = bytearray(), []
+    for key, tag, n in segments:
+        entries.append((key, len(body), n, segment_tables(segment(tag, n))))
+        body += bytes([tag]) * n
+    cache.put_object(memoryview(body), entries)
+
+
 def test_a_node_objects_slices_go_into_the_cache_back_to_back_or_not_at_all():
     area = SharedArea(1, 64, 1000)
     cache, reader = SharedCache(area), CacheReader(area, 0)
     cache.put("a", segment(1, 300))
-    cache.put_many([("b", segment(2, 200)), ("empty", segment(0, 0)), ("c", segment(3, 300))])
+    put_object(cache, ("b", 2, 200), ("empty", 0, 0), ("c", 3, 300))
     assert [ref_position(cache.refs[k]) for k in ("a", "b", "c")] == [0, 300, 500] and "empty" not in cache.refs
     for key, tag, n in (("b", 2, 200), ("c", 3, 300)):
         got = cache.get(key)
         assert got is not None and bytes(got.data) == bytes([tag]) * n
     ref_a = cache.refs["a"]
     assert reader.acquire(ref_a) is not None  # pinned: as if being sent to a client
-    cache.put_many([("d", segment(4, 100)), ("e", segment(5, 200))])  # the second would wrap over "a"
+    put_object(cache, ("d", 4, 100), ("e", 5, 200))  # the second would wrap over "a"
     assert "d" not in cache.refs and "e" not in cache.refs and cache.skipped_pinned == 2, "all or none"
     reader.release(ref_position(ref_a))
-    cache.put_many([("d", segment(4, 100)), ("e", segment(5, 200))])
+    put_object(cache, ("d", 4, 100), ("e", 5, 200))
     assert [ref_position(cache.refs[k]) for k in ("d", "e")] == [1000, 1100] and "a" not in cache.refs
     # more than the cache holds together: each that fits goes alone, the later ones over the earlier
-    cache.put_many([("f", segment(6, 600)), ("g", segment(7, 600)), ("h", segment(8, 2000))])
+    put_object(cache, ("f", 6, 600), ("g", 7, 600), ("h", 8, 2000))
     assert "h" not in cache.refs and "f" not in cache.refs
     got = cache.get("g")
     assert got is not None and bytes(got.data) == bytes([7]) * 600
