@@ -142,6 +142,7 @@ def cache_ref(start: int, n: int, tables: bytes) -> CacheRef:
 
 
 def segment_tables(seg: CachedSegment) -> bytes:
+    """A segment's tables for its cache entry: its batches' base offsets, then their positions."""
     return array("q", seg.bases).tobytes() + array("q", seg.positions).tobytes()
 
 

@@ -340,8 +340,7 @@ class NodeFlusher:
         self._uploads = asyncio.Semaphore(MAX_UPLOADS)
         self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
         self._flushes: dict[asyncio.Task[None], set[PartitionLog]] = {}  # node objects under way, their logs
-        # uploaded node objects of this fence waiting for their commit, by seq: directory, slices, committed
-        self._uploaded: dict[int, _Uploaded] = {}
+        self._uploaded: dict[int, _Uploaded] = {}  # uploaded node objects of this fence waiting for their commit
         self._committed = 0  # the last seq committed under this fence
         self._failed: BaseException | None = None  # a commit of this fence failed: no later one commits
         self._committer: asyncio.Task[None] | None = None
