@@ -444,10 +444,12 @@ class NodeFlusher:
                 raise self._failed
             taken.sort(key=lambda t: layout_order(t[0]))
             body, built = build_slices([items for _, items in taken], created)
-            slices = [Slice(lg, SegmentManifest(base, last, count, size, min_ts, max_ts, key, created,
-                                                lg.producers_of(items), pos), items)
-                      for (lg, items), (pos, size, base, last, count, min_ts, max_ts, _) in zip(taken, built,
-                                                                                               strict=True)]
+            slices: list[Slice] = []
+            cached: list[tuple[str, int, int, bytes]] = []  # each slice's entry for the cache (put_object)
+            for (lg, items), (pos, size, base, last, count, min_ts, max_ts, tables) in zip(taken, built, strict=True):
+                m = SegmentManifest(base, last, count, size, min_ts, max_ts, key, created, lg.producers_of(items), pos)
+                slices.append(Slice(lg, m, items))
+                cached.append((m.ref, pos, size, tables))
             for _, items in taken:
                 for p in items:
                     p.done_with_payload()
@@ -458,7 +460,6 @@ class NodeFlusher:
                     raise Fenced(f"topic {s.log.topic} was deleted")
                 ids[s.log.topic] = tid
             dir_raw = directory(key, created, slices, ids)
-            cached = [(s.manifest.ref, b[0], b[1], b[7]) for s, b in zip(slices, built, strict=True)]
             body = seal(body, dir_raw)
             metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(body))
             faults.reached("before-upload")
