@@ -44,6 +44,20 @@ UNSUPPORTED_COMPRESSION_TYPE = 76
 BATCH_HEADER_SIZE = 61
 LOG_OVERHEAD = 12  # baseOffset + batchLength
 
+# The .kfs segment, written only here (assemble_segment, assemble_node) and
+# parsed by storage/segment.py (docs/segment-format.md): a header of magic
+# u32, version u16, flags u16, base offset i64, records i32, created ms i64
+# and 4 zero bytes; the batches; a footer of their CRC32C u32, the last
+# offset i64 and the footer magic u32; all big-endian.
+cdef enum:
+    KFS_HEADER = 32
+    KFS_FOOTER = 16
+    KFS_VERSION = 1
+cdef uint32_t KFS_MAGIC = 0x4B414653  # "KAFS"
+cdef uint32_t KFS_END = 0x454E4421  # "END!"
+SEGMENT_HEADER_SIZE, SEGMENT_FOOTER_SIZE, SEGMENT_VERSION = KFS_HEADER, KFS_FOOTER, KFS_VERSION
+SEGMENT_MAGIC, SEGMENT_FOOTER_MAGIC = KFS_MAGIC, KFS_END
+
 COMPRESSION_NONE = 0
 COMPRESSION_GZIP = 1
 COMPRESSION_SNAPPY = 2
@@ -596,26 +610,40 @@ cdef inline void _start_stats(_SegStats *st) noexcept nogil:
     st.last_offset = -1
 
 
-def assemble_segment(list parts, Py_ssize_t header_size, Py_ssize_t footer_size, Py_ssize_t index_interval):
-    """The batches of a segment, copied once into a new buffer: `parts` are
-    (payload, assigned base offset) pairs, a payload holding one or more
-    batches back to back. The batches start at header_size, footer_size
-    bytes stay free after them (storage/segment.py writes both), each gets
-    its base offset patched in and its leader epoch zeroed, and an index
-    entry (offset i64, position i32, big-endian) names the first batch and
-    then each batch starting index_interval or more bytes after the last
-    named one. Returns (buffer, end of the batches, CRC32C of the batches,
+cdef void _seal_segment(uint8_t *d, Py_ssize_t end, _SegStats *st, int64_t first, int64_t created_ms
+                        ) noexcept nogil:
+    """Write the header and footer of the segment at d whose batches end at d + end."""
+    wr_i32(d, <int32_t>KFS_MAGIC)
+    wr_i16(d + 4, KFS_VERSION)
+    wr_i16(d + 6, 0)  # flags
+    wr_i64(d + 8, first)
+    wr_i32(d + 16, <int32_t>st.count)
+    wr_i64(d + 20, created_ms)
+    wr_i32(d + 28, 0)
+    wr_i32(d + end, <int32_t>ks_crc32c(0, d + KFS_HEADER, end - KFS_HEADER, 0))
+    wr_i64(d + end + 4, st.last_offset)
+    wr_i32(d + end + 12, <int32_t>KFS_END)
+
+
+def assemble_segment(list parts, int64_t created_ms, Py_ssize_t index_interval):
+    """A whole segment, its batches copied once into a new buffer: `parts`
+    are (payload, assigned base offset) pairs, a payload holding one or more
+    batches back to back. Each batch gets its base offset patched in and its
+    leader epoch zeroed, and an index entry (offset i64, position i32,
+    big-endian) names the first batch and then each batch starting
+    index_interval or more bytes after the last named one. Returns (buffer,
     batch positions, batch base offsets, index entries, records, smallest
-    base timestamp, largest max timestamp, last offset)."""
-    cdef Py_ssize_t total = 0, pos = header_size, last_indexed = -index_interval, bpos, i
+    base timestamp, largest max timestamp, last offset); with no batches at
+    all, the buffer holds no header or footer and the positions are empty."""
+    cdef Py_ssize_t total = 0, pos = KFS_HEADER, last_indexed = -index_interval, bpos, i
     cdef _SegStats st
     cdef uint8_t *d
     cdef uint8_t entry[12]
-    cdef uint32_t crc
+    cdef int64_t first
     _start_stats(&st)
     for payload, base_obj in parts:
         total += len(payload)
-    data = bytearray(header_size + total + footer_size)
+    data = bytearray(KFS_HEADER + total + KFS_FOOTER)
     d = <uint8_t *>PyByteArray_AS_STRING(data)
     positions, bases, entries = [], [], bytearray()
     for payload, base_obj in parts:
@@ -627,9 +655,11 @@ def assemble_segment(list parts, Py_ssize_t header_size, Py_ssize_t footer_size,
             wr_i32(entry + 8, <int32_t>bpos)
             entries += entry[:12]
             last_indexed = bpos
-    with nogil:
-        crc = ks_crc32c(0, d + header_size, pos - header_size, 0)
-    return data, pos, crc, positions, bases, bytes(entries), st.count, st.min_ts, st.max_ts, st.last_offset
+    if bases:
+        first = bases[0]
+        with nogil:
+            _seal_segment(d, pos, &st, first, created_ms)
+    return data, positions, bases, bytes(entries), st.count, st.min_ts, st.max_ts, st.last_offset
 
 
 cdef bytes _tables(list bases, list positions):
@@ -644,28 +674,22 @@ cdef bytes _tables(list bases, list positions):
     return out
 
 
-def assemble_node(list slices, int64_t created_ms, uint32_t segment_magic, int version, uint32_t footer_magic):
+def assemble_node(list slices, int64_t created_ms):
     """A node object's slices, back to back in one new buffer, each a whole
-    segment (storage/segment.py's layout: a 32-byte header of magic u32,
-    version u16, flags u16, base offset i64, records i32, created_ms i64 and
-    4 zero bytes; the batches; a 16-byte footer of the batches' CRC32C u32,
-    last offset i64 and footer magic u32; all big-endian). `slices` holds
-    each slice's queued batches, objects with a `payload` (one or more
-    batches back to back) and the `base` offset assigned to it; each batch
-    gets its base offset patched in and its leader epoch zeroed, as
-    assemble_segment does. Returns (buffer, one tuple a slice of: position,
-    size, base offset, last offset, records, smallest base timestamp,
-    largest max timestamp, and its cache tables (_tables; positions from
-    the slice's start)). One call for a flush: built slice by slice, the
-    per-slice work was a third of the log process's at 1,000 partitions."""
-    cdef Py_ssize_t total = 0, pos = 0, start, end
+    segment (as assemble_segment makes it). `slices` holds each slice's
+    queued batches, objects with a `payload` (one or more batches back to
+    back) and the `base` offset assigned to it. Returns (buffer, one tuple a
+    slice of: position, size, base offset, last offset, records, smallest
+    base timestamp, largest max timestamp, and its cache tables (_tables;
+    positions from the slice's start)). One call for a flush: built slice
+    by slice, the per-slice work was a third of the log process's at 1,000
+    partitions."""
+    cdef Py_ssize_t total = 0, pos = 0, start
     cdef _SegStats st
     cdef uint8_t *d
-    cdef uint8_t *h
-    cdef uint32_t crc
     cdef int64_t first
     for items in slices:
-        total += 48
+        total += KFS_HEADER + KFS_FOOTER
         for p in items:
             total += len(p.payload)
     data = bytearray(total)
@@ -673,29 +697,17 @@ def assemble_node(list slices, int64_t created_ms, uint32_t segment_magic, int v
     infos = []
     for items in slices:
         start = pos
-        pos += 32
+        pos += KFS_HEADER
         _start_stats(&st)
         positions, bases = [], []
         for p in items:
             pos = _place_batches(d, pos, p.payload, p.base, start, &st, positions, bases)
-        end = pos
         if not bases:
             raise ValueError("a slice needs at least one batch")
-        with nogil:
-            crc = ks_crc32c(0, d + start + 32, end - start - 32, 0)
         first = bases[0]
-        h = d + start
-        wr_i32(h, <int32_t>segment_magic)
-        wr_i16(h + 4, version)
-        wr_i16(h + 6, 0)
-        wr_i64(h + 8, first)
-        wr_i32(h + 16, <int32_t>st.count)
-        wr_i64(h + 20, created_ms)
-        wr_i32(h + 28, 0)
-        wr_i32(d + end, <int32_t>crc)
-        wr_i64(d + end + 4, st.last_offset)
-        wr_i32(d + end + 12, <int32_t>footer_magic)
-        pos = end + 16
+        with nogil:
+            _seal_segment(d + start, pos - start, &st, first, created_ms)
+        pos += KFS_FOOTER
         infos.append((start, pos - start, first, st.last_offset, st.count, st.min_ts, st.max_ts,
                       _tables(bases, positions)))
     return data, infos

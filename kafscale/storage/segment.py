@@ -22,16 +22,17 @@ from typing import NamedTuple, Protocol
 
 from kafscale import _native
 
-SEGMENT_MAGIC = 0x4B414653  # "KAFS"
-FOOTER_MAGIC = 0x454E4421  # "END!"
+# a segment's header and footer are written natively (_native.assemble_segment and assemble_node)
+SEGMENT_MAGIC = _native.SEGMENT_MAGIC  # "KAFS"
+FOOTER_MAGIC = _native.SEGMENT_FOOTER_MAGIC  # "END!"
+FORMAT_VERSION = _native.SEGMENT_VERSION
 INDEX_MAGIC = 0x49445800  # "IDX\0"
-FORMAT_VERSION = 1
 HEADER = struct.Struct(">IHHqiq4x")
 FOOTER = struct.Struct(">IqI")
 INDEX_HEADER = struct.Struct(">IHii2x")
 INDEX_ENTRY = struct.Struct(">qi")
-HEADER_SIZE = HEADER.size  # 32
-FOOTER_SIZE = FOOTER.size  # 16
+HEADER_SIZE = HEADER.size  # 32, _native.SEGMENT_HEADER_SIZE
+FOOTER_SIZE = FOOTER.size  # 16, _native.SEGMENT_FOOTER_SIZE
 DEFAULT_INDEX_INTERVAL = 64 * 1024
 
 
@@ -118,14 +119,11 @@ def build_segment(batches: Sequence[tuple[memoryview | bytes, int]], created_ms:
     """Assemble a segment from (batch bytes, assigned base offset) pairs.
 
     Batches are copied once into the object buffer and their base offsets
-    patched in place (the batch CRC does not cover it), in native code: a
-    node flush builds one segment per partition it holds."""
-    (data, end, crc, positions, bases, entries, count, min_ts, max_ts,
-     last_offset) = _native.assemble_segment(list(batches), HEADER_SIZE, FOOTER_SIZE, index_interval)
+    patched in place (the batch CRC does not cover it), in native code."""
+    (data, positions, bases, entries, count, min_ts, max_ts,
+     last_offset) = _native.assemble_segment(list(batches), created_ms, index_interval)
     if not positions:
         raise SegmentFormatError("a segment needs at least one batch")
-    HEADER.pack_into(data, 0, SEGMENT_MAGIC, FORMAT_VERSION, 0, bases[0], count, created_ms)
-    FOOTER.pack_into(data, end, crc, last_offset, FOOTER_MAGIC)
     index = INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, len(entries) // INDEX_ENTRY.size, index_interval) + entries
     return BuiltSegment(data, index, bases[0], last_offset, count, min_ts, max_ts, positions, bases)
 
@@ -146,7 +144,7 @@ def build_slices(slices: list[list[Placed]], created_ms: int) -> tuple[bytearray
     """A node object's slices, each a whole segment of one partition's
     batches (as build_segment makes it, without its index), back to back in
     one buffer, built in one native call."""
-    return _native.assemble_node(slices, created_ms, SEGMENT_MAGIC, FORMAT_VERSION, FOOTER_MAGIC)
+    return _native.assemble_node(slices, created_ms)
 
 
 @dataclass

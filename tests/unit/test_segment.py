@@ -9,6 +9,8 @@ import pytest
 from kafscale import _native
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.segment import (
+    FOOTER,
+    HEADER,
     SegmentFormatError,
     build_segment,
     build_slices,
@@ -46,6 +48,8 @@ def test_segment_bytes():
     assert seg.positions == [32 + b.position for b in infos]
     hdr, body, last_off = open_segment(data)
     assert (hdr.base_offset, hdr.count, last_off, len(body)) == (100, 12, 111, len(data) - 48)
+    # the native writer's layout is the one segment.py parses
+    assert (_native.SEGMENT_HEADER_SIZE, _native.SEGMENT_FOOTER_SIZE) == (HEADER.size, FOOTER.size)
 
 
 def test_a_malformed_payload_builds_no_segment():
