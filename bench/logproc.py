@@ -79,7 +79,7 @@ async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS) 
             in_flight.append(produce(first))
             if len(in_flight) >= CALLS_IN_FLIGHT:
                 replies = await in_flight.pop(0)
-                assert all(isinstance(r, dict) for r in replies), replies
+                assert all(isinstance(r, list) for r in replies), replies
             await asyncio.sleep(0)
         await asyncio.gather(*in_flight)
 

@@ -22,6 +22,7 @@ from kafscale.broker.server import ProtocolViolation, call_handler, parse_header
 from kafscale.broker.shm import RingTracker, SharedArea, SharedCache
 from kafscale.metadata.store import SegmentManifest, has_partition
 from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.framing import ProduceAnswer
 from kafscale.protocol.schemas import PRODUCE
 from kafscale.security.acl import AclBinding
 from kafscale.storage.partition import LogError, PartitionLog
@@ -88,7 +89,7 @@ class LogService:
 
     # ------------------------------------------------------------------ calls
     async def _produce(self, worker: int, msgs: list[messages.ProduceCall]
-                       ) -> list[dict[str, Any] | messages.ProduceFailed | None]:
+                       ) -> list[ProduceAnswer | messages.ProduceFailed | None]:
         """The produce requests one client connection sent in a row, answered
         together. A connection's produces are appended in the order it sent
         them (calls start in arrival order and take its lock first thing);

@@ -33,8 +33,8 @@ class Hello:
 
 # A Produce request whose payloads are in the rings. The produce requests a
 # client connection sends in one pass of the worker's event loop go as one call,
-# a list of these, answered with a list: each one's response body (None for
-# acks=0), or a ProduceFailed. Each travels as a plain tuple: pickling one takes
+# a list of these, answered with a list: each one's answer (framing.ProduceAnswer:
+# lists and tuples; None for acks=0), or a ProduceFailed. Each travels as a plain tuple: pickling one takes
 # 1.3 µs, a dataclass holding the request dict and a dataclass per payload
 # 9.5 µs (and about as much again to unpickle):
 #   (conn, version, client_id, client_host, principal, acks, timeout_ms, transactional_id,

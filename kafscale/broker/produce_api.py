@@ -17,6 +17,7 @@ from kafscale.metadata import topic_config
 from kafscale.metadata.store import TopicMeta, has_partition
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
+from kafscale.protocol.framing import ProduceAnswer
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
 from kafscale.storage.partition import Ack, LogError, PartitionLog
 
@@ -33,6 +34,8 @@ ProduceRequest = tuple[int, int, str | None, ProduceTopics]
 # What a call's requests need of a topic they write to (looked up once a call):
 # whether the principal may write it, its metadata, its max.message.bytes
 _Topic = tuple[bool, TopicMeta | None, int]
+# A partition's answer (framing.ProduceAnswer), its fields by index
+_ERROR_CODE, _BASE_OFFSET, _LOG_START, _ERROR_MESSAGE = 1, 2, 3, 4
 
 
 class Deadlines:
@@ -79,15 +82,15 @@ class Acks:
     __slots__ = ("_left", "_waiter")
 
     def __init__(self) -> None:
-        self._left: dict[int, dict[str, Any]] = {}
+        self._left: dict[int, list[Any]] = {}
         self._waiter: asyncio.Future[None] | None = None
 
-    def expect(self, r: dict[str, Any]) -> Ack:
+    def expect(self, r: list[Any]) -> Ack:
         """Wait for r (before its batch is appended: a duplicate of a committed one is answered at once)."""
         self._left[id(r)] = r
         return self, r
 
-    def forget(self, r: dict[str, Any]) -> None:
+    def forget(self, r: list[Any]) -> None:
         """r's batch was not appended after all."""
         self._left.pop(id(r), None)
 
@@ -95,7 +98,7 @@ class Acks:
         if self._left.pop(id(token), None) is None:  # answered already, or timed out
             return
         if exc is not None:
-            token["error_code"], token["error_message"], token["base_offset"] = exc.code, str(exc), -1
+            token[_ERROR_CODE], token[_ERROR_MESSAGE], token[_BASE_OFFSET] = exc.code, str(exc), -1
         if not self._left and self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -106,8 +109,8 @@ class Acks:
             self._waiter = asyncio.get_running_loop().create_future()
             await deadlines.wait(self._waiter, max(timeout_s, 0.001))
         for r in self._left.values():
-            r["error_code"], r["error_message"] = ErrorCode.REQUEST_TIMED_OUT, "not durable within timeout_ms"
-            r["base_offset"] = -1
+            r[_ERROR_CODE], r[_ERROR_MESSAGE] = ErrorCode.REQUEST_TIMED_OUT, "not durable within timeout_ms"
+            r[_BASE_OFFSET] = -1
         self._left.clear()
 
 
@@ -121,9 +124,9 @@ class ProduceApi(PartitionApi):
         self.deadlines = Deadlines()
 
     async def produce_all(self, hdr: RequestContext, reqs: list[ProduceRequest]
-                          ) -> list[dict[str, Any] | Exception | None]:
+                          ) -> list[ProduceAnswer | Exception | None]:
         """Produce requests one connection sent in a row, appended in that
-        order under its lock, then waited for together: each one's response
+        order under its lock, then waited for together: each one's answer
         (None for acks=0), or the exception it failed with (the others are
         answered all the same). A request whose topics are known here and
         whose partitions are open (nearly all) is appended without waiting
@@ -132,7 +135,7 @@ class ProduceApi(PartitionApi):
             self._start_opening(hdr, reqs)
         topics: dict[str, _Topic] = {}  # looked up once for the call: its requests share a principal
         acks = {timeout_ms: Acks() for timeout_ms in {req[1] for req in reqs}}
-        appended: list[list[dict[str, Any]] | Exception] = []
+        appended: list[ProduceAnswer | Exception] = []
         async with hdr.append_order:  # appends in the order the connection sent them
             for i, req in enumerate(reqs):
                 try:
@@ -148,8 +151,8 @@ class ProduceApi(PartitionApi):
         start = time.monotonic()
         for timeout_ms in sorted(acks):  # each waits its own timeout_ms from now
             await acks[timeout_ms].wait(self.deadlines, start + timeout_ms / 1000 - time.monotonic())
-        return [done if isinstance(done, Exception) else None if req[0] == 0
-                else {"responses": done, "throttle_time_ms": 0} for req, done in zip(reqs, appended, strict=True)]
+        return [None if req[0] == 0 and not isinstance(done, Exception) else done
+                for req, done in zip(reqs, appended, strict=True)]
 
     def _known_topic(self, hdr: RequestContext, name: str) -> _Topic | None:
         """What a call's requests need of a topic, when that is known without
@@ -217,21 +220,20 @@ class ProduceApi(PartitionApi):
         return failed
 
     def _append(self, hdr: RequestContext, req: ProduceRequest, topics: dict[str, _Topic],
-                logs: list[PartitionLog | LogError | None], durable: Acks | None) -> list[dict[str, Any]]:
+                logs: list[PartitionLog | LogError | None], durable: Acks | None) -> ProduceAnswer:
         """Append a request's batches to their logs (_resolve's; under the
-        connection's lock): its responses; those of batches appended wait in
-        `durable` (None: acks=0)."""
+        connection's lock): its answer; the partitions' of batches appended
+        wait in `durable` (None: acks=0)."""
         acks, _, transactional_id, topic_data = req
-        responses = []
+        responses: ProduceAnswer = []
         i = 0
         for name, partition_data in topic_data:
             writable, _, limit = topics[name]
-            parts = []
+            parts: list[list[Any]] = []
             for index, accepted in partition_data:
                 lg = logs[i]
                 i += 1
-                # the fields a success leaves at their defaults are left out (the encoder writes them)
-                r: dict[str, Any] = {"index": index, "error_code": 0, "base_offset": -1, "log_start_offset": -1}
+                r = [index, 0, -1, -1, None]
                 parts.append(r)
                 payload: Accepted | LogError | None = accepted
                 try:
@@ -253,21 +255,21 @@ class ProduceApi(PartitionApi):
                         if b.size > limit:
                             raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
                     try:
-                        r["base_offset"] = lg.append(data, batches, None if durable is None else durable.expect(r),
-                                                     release)
+                        r[_BASE_OFFSET] = lg.append(data, batches, None if durable is None else durable.expect(r),
+                                                    release)
                     except BaseException:
                         if durable is not None:
                             durable.forget(r)
                         raise
                     payload = None  # the log releases the payload now
-                    r["log_start_offset"] = lg.log_start
+                    r[_LOG_START] = lg.log_start
                 except LogError as exc:
-                    r["error_code"], r["error_message"] = exc.code, str(exc)
+                    r[_ERROR_CODE], r[_ERROR_MESSAGE] = exc.code, str(exc)
                     log.info("produce %s/%s rejected: %s %s", name, index, exc.code.name, exc)
                 finally:
                     if isinstance(payload, tuple):
                         payload[1]()
-            responses.append({"name": name, "partition_responses": parts})
+            responses.append((name, parts))
         return responses
 
     def _start_opening(self, hdr: RequestContext, reqs: list[ProduceRequest]) -> None:

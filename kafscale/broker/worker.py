@@ -37,7 +37,7 @@ from kafscale.config import Config
 from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.framing import encode_produce_responses
+from kafscale.protocol.framing import ProduceAnswer, encode_produce_responses
 from kafscale.security.acl import AclBinding, Authorizer, Operation, ResourceType
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectStore
@@ -122,10 +122,10 @@ class _RunReplies:
         self.frames = frames
         self.requests = requests
         self.respond = respond
-        self.replies: list[dict[str, Any] | BaseException | None] = [None] * len(requests)
+        self.replies: list[ProduceAnswer | BaseException | None] = [None] * len(requests)
         self.left = sum(1 for r in requests if r[3] != 0)
 
-    def answer(self, i: int, reply: dict[str, Any] | BaseException | None) -> None:
+    def answer(self, i: int, reply: ProduceAnswer | BaseException | None) -> None:
         self.replies[i] = reply
         self.left -= 1
         self.answer_if_done()
@@ -139,7 +139,7 @@ class _RunReplies:
                                              strict=True):
                 if request[3] == 0:  # acks=0: no answer
                     continue
-                if isinstance(reply, dict):
+                if isinstance(reply, list):
                     answers.append((request[0], request[1], reply))
                 elif isinstance(reply, Exception) and not isinstance(reply, ProtocolViolation):
                     if (answer := failed_answer(frame, reply)) is not None:

@@ -202,24 +202,24 @@ def test_a_calls_acks_answer_each_response_once_durable_failed_or_timed_out():
         c = Cluster()
         lg = await c.open()
         acks, deadlines = Acks(), Deadlines()
-        durable = {"index": 0, "error_code": 0, "base_offset": 0}
+        durable = [0, 0, 0, 0, None]  # a partition's answer: index, error code, base offset, log start, message
         lg.append(batch(b"a"), _native.scan_batches(batch(b"a")), acks.expect(durable))
         await acks.wait(deadlines, 5)
-        assert durable == {"index": 0, "error_code": 0, "base_offset": 0}, "durable: left as appended"
+        assert durable == [0, 0, 0, 0, None], "durable: left as appended"
 
         c.etcd.down = True  # the next batch cannot become durable: it times out, then fails
         late, failed = Acks(), Acks()
-        slow = {"index": 0, "error_code": 0, "base_offset": 1}
+        slow = [0, 0, 1, 0, None]
         lg.append(batch(b"b"), _native.scan_batches(batch(b"b")), late.expect(slow))
         await late.wait(deadlines, 0.2)
-        assert slow["error_code"] == ErrorCode.REQUEST_TIMED_OUT and slow["base_offset"] == -1
-        lost = {"index": 0, "error_code": 0, "base_offset": 2}
+        assert slow[1] == ErrorCode.REQUEST_TIMED_OUT and slow[2] == -1
+        lost = [0, 0, 2, 0, None]
         lg.append(batch(b"c"), _native.scan_batches(batch(b"c")), failed.expect(lost))
         waiting = asyncio.ensure_future(failed.wait(deadlines, 30))
         await lg.close()
         await asyncio.wait_for(waiting, 5)
-        assert lost["error_code"] == ErrorCode.NOT_LEADER_OR_FOLLOWER and lost["base_offset"] == -1
-        assert slow["error_code"] == ErrorCode.REQUEST_TIMED_OUT, "answered once: the timeout stands"
+        assert lost[1] == ErrorCode.NOT_LEADER_OR_FOLLOWER and lost[2] == -1
+        assert slow[1] == ErrorCode.REQUEST_TIMED_OUT, "answered once: the timeout stands"
 
     run(go())
 

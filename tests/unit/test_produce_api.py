@@ -50,8 +50,7 @@ def produce(topic: str, partition: int, value: bytes = b"v", acks: int = -1) -> 
 
 def answers(replies: list[Any]) -> list[list[tuple[str, int, int, int]]]:
     """Each reply's (topic, partition, error code, base offset)s."""
-    return [[(t["name"], r["index"], r["error_code"], r["base_offset"])
-             for t in reply["responses"] for r in t["partition_responses"]] for reply in replies]
+    return [[(name, r[0], r[1], r[2]) for name, parts in reply for r in parts] for reply in replies]
 
 
 def header() -> RequestContext:

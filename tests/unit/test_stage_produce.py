@@ -18,7 +18,7 @@ from kafscale.broker.messages import RejectedPayload
 from kafscale.broker.server import ProtocolViolation, parse_header
 from kafscale.protocol.codec import DecodeError
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.framing import encode_produce_responses, encode_request, encode_response
+from kafscale.protocol.framing import answer_body, encode_produce_responses, encode_request, encode_response
 from kafscale.protocol.schemas import METADATA, PRODUCE
 
 SLOT = 3
@@ -192,3 +192,9 @@ def test_responses_framed_together_are_encode_response_back_to_back(version):
                         for c in encode_response(RequestContext(PRODUCE.key, version, 40 + i, None, False), body))
     assert encode_produce_responses([(40 + i, version, body) for i, body in enumerate(bodies)]) == expected
     assert encode_produce_responses([]) == b""
+    # a broker's answer (as the log process replies) frames as its response dict does
+    answers = [[("orders", [[3, 0, 2**40, 7, None]])], [("b\u4e2d", [[9, 6, -1, -1, "bad \u00e9"]])],
+               [("c", [[0, 0, 5, 0, None], [1, 87, -1, -1, "x"]]), ("d", [])], []]
+    expected = b"".join(bytes(c) for i, answer in enumerate(answers) for c in encode_response(
+        RequestContext(PRODUCE.key, version, 40 + i, None, False), answer_body(answer)))
+    assert encode_produce_responses([(40 + i, version, answer) for i, answer in enumerate(answers)]) == expected
