@@ -16,6 +16,7 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyBy
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport INT32_MAX, INT64_MIN, uint8_t, uint32_t, int64_t, uint64_t, int32_t
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 import zlib
@@ -130,6 +131,77 @@ cdef class RingWriter:
         if n:
             memcpy(&self._data[start % self.size], &payload[0], n)
         return start
+
+
+cdef class RingReader:
+    """The log process's end of a produce ring (kafscale/broker/shm.py): the
+    payloads it holds, in the order the worker wrote them. Releasing the
+    oldest one moves the tail (the u64 at 8 of the header) past it and past
+    every later one released already, so the worker may write there again;
+    with none held, the tail is where the newest one ended."""
+    cdef uint8_t[::1] _header
+    cdef object _data  # a memoryview: a payload is a slice of it
+    cdef Py_ssize_t size
+    cdef int64_t *_starts  # the positions of the payloads held, by sequence number modulo _cap
+    cdef uint8_t *_released
+    cdef int64_t _cap, _first, _next  # sequence numbers of the oldest held and of the next one
+    cdef int64_t _end  # where the newest payload held ends
+    cdef dict _seqs  # position -> sequence number, of each payload held
+
+    def __cinit__(self, uint8_t[::1] header not None, data not None):
+        if header.shape[0] < 16:
+            raise ValueError("a ring needs a 16-byte header")
+        self._header = header
+        self._data = memoryview(data)
+        self.size = len(self._data)
+        self._seqs = {}
+        self._end = <int64_t>ks_load_u64(&header[8])
+        self._alloc(1024)
+
+    def __dealloc__(self):
+        free(self._starts)
+        free(self._released)
+
+    cdef int _alloc(self, int64_t cap) except -1:
+        """Room for cap payloads, those held kept at their sequence numbers modulo cap."""
+        cdef int64_t *starts = <int64_t *>malloc(cap * sizeof(int64_t))
+        cdef uint8_t *released = <uint8_t *>malloc(cap)
+        cdef int64_t seq
+        if starts == NULL or released == NULL:
+            free(starts)
+            free(released)
+            raise MemoryError()
+        for seq in range(self._first, self._next):
+            starts[seq % cap] = self._starts[seq % self._cap]
+            released[seq % cap] = self._released[seq % self._cap]
+        free(self._starts)
+        free(self._released)
+        self._starts, self._released, self._cap = starts, released, cap
+        return 0
+
+    def track(self, int64_t start, Py_ssize_t n):
+        """Hold the payload the worker wrote at start (n bytes): a view of it."""
+        cdef int64_t i, off = start % self.size
+        if off + n > self.size or n < 0:
+            raise ValueError(f"no payload of {n} bytes at {start}")
+        if self._next - self._first == self._cap:
+            self._alloc(2 * self._cap)
+        i = self._next % self._cap
+        self._starts[i] = start
+        self._released[i] = 0
+        self._seqs[start] = self._next
+        self._next += 1
+        self._end = start + n
+        return self._data[off:off + n]
+
+    def release(self, int64_t start):
+        """The payload at start is no longer needed (KeyError: it is not held)."""
+        cdef int64_t seq = self._seqs.pop(start)
+        self._released[seq % self._cap] = 1
+        while self._first < self._next and self._released[self._first % self._cap]:
+            self._first += 1
+        ks_store_u64(&self._header[8], <uint64_t>(self._starts[self._first % self._cap] if self._first < self._next
+                                                  else self._end))
 
 
 cdef uint32_t _crc(const uint8_t[::1] data, uint32_t crc, int force_sw):

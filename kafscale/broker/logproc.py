@@ -19,7 +19,7 @@ from kafscale.broker.context import RequestContext
 from kafscale.broker.ipc import Channel
 from kafscale.broker.produce_api import Accepted, ProduceRequest
 from kafscale.broker.server import ProtocolViolation, call_handler, parse_header
-from kafscale.broker.shm import RingTracker, SharedArea, SharedCache
+from kafscale.broker.shm import SharedArea, SharedCache
 from kafscale.metadata.store import SegmentManifest, has_partition
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import ProduceAnswer
@@ -34,7 +34,7 @@ class LogService:
     def __init__(self, broker: Broker, area: SharedArea, cache: SharedCache) -> None:
         self.broker = broker
         self.cache = cache
-        self.trackers = [RingTracker(r) for r in area.rings]
+        self.trackers = [r.reader() for r in area.rings]
         self.channels: set[Channel] = set()
         self._conn_tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.base_events.Server | None = None

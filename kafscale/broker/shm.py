@@ -94,31 +94,13 @@ class Ring:
         off = start % self.size
         return self.data[off:off + n]
 
+    # ------------------------------------------------------ log process side
+    def reader(self) -> _native.RingReader:
+        """The log process's end of the ring (one only): holds payloads, moves the tail."""
+        return _native.RingReader(self.header, self.data)
+
     def in_use(self) -> int:
         return _native.atomic_load(self.header, _HEAD) - _native.atomic_load(self.header, _TAIL)
-
-
-class RingTracker:
-    """Log-process side of one ring: payloads in use, in allocation order."""
-
-    def __init__(self, ring: Ring) -> None:
-        self.ring = ring
-        self._live: deque[list[int]] = deque()  # [start, released]
-        self._by_start: dict[int, list[int]] = {}
-        self._end = _native.atomic_load(ring.header, _TAIL)
-
-    def track(self, start: int, n: int) -> memoryview:
-        entry = [start, 0]
-        self._live.append(entry)
-        self._by_start[start] = entry
-        self._end = start + n
-        return self.ring.view(start, n)
-
-    def release(self, start: int) -> None:
-        self._by_start.pop(start)[1] = 1
-        while self._live and self._live[0][1]:
-            self._live.popleft()
-        _native.atomic_store(self.ring.header, _TAIL, self._live[0][0] if self._live else self._end)
 
 
 # Where a committed segment sits in the shared cache, as one bytes object: its

@@ -9,13 +9,14 @@ import random
 import pytest
 
 from kafscale.broker import shm
-from kafscale.broker.shm import CacheReader, RingTracker, SharedArea, SharedCache, ref_position, segment_tables
+from kafscale.broker.shm import CacheReader, SharedArea, SharedCache, ref_position, segment_tables
 from kafscale.storage.cache import CachedSegment
 
 
 def test_ring_never_overwrites_live_payloads_and_empty_ring_takes_anything():
     area = SharedArea(1, 4096, 0)
-    ring, tracker = area.rings[0], RingTracker(area.rings[0])
+    ring = area.rings[0]
+    tracker = ring.reader()
     rng = random.Random(7)
     live: list[tuple[int, int, int]] = []
     refused = 0
@@ -40,6 +41,28 @@ def test_ring_never_overwrites_live_payloads_and_empty_ring_takes_anything():
     assert ring.in_use() == 0
     assert ring.put(bytes(ring.size + 1)) is None
     assert ring.in_use() == 0
+
+
+def test_a_ring_holds_any_number_of_payloads_and_its_tail_passes_only_released_ones():
+    """The log process's end keeps its payloads in a table that grows: the
+    tail stays at the oldest one held, whatever order the rest go in."""
+    area = SharedArea(1, 1 << 20, 0)
+    ring = area.rings[0]
+    tracker = ring.reader()
+    starts = [ring.put(bytes([i % 251]) * 50) for i in range(5000)]  # more than the table's first size
+    views = [tracker.track(start, 50) for start in starts]
+    assert all(bytes(v) == bytes([i % 251]) * 50 for i, v in enumerate(views))
+    order = list(range(1, 5000))
+    random.Random(3).shuffle(order)
+    for i in order:  # all but the oldest: the tail stays put
+        tracker.release(starts[i])
+        assert ring.in_use() == 5000 * 50
+    with pytest.raises(KeyError):
+        tracker.release(starts[1])  # released already
+    tracker.release(starts[0])
+    assert ring.in_use() == 0
+    with pytest.raises(ValueError):
+        tracker.track(ring.size - 10, 20)  # a payload never wraps
 
 
 def segment(tag: int, n: int) -> CachedSegment:
