@@ -53,6 +53,7 @@ async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS) 
     meta = MetaStore.in_memory("bench", etcd)
     await meta.create_topic(TOPIC, partitions, {})
     area = SharedArea(1, cfg.ring_bytes, cfg.cache_bytes)
+    area.populate()  # as the log process does: no first-touch page faults in the copies measured
     cache = SharedCache(area)
     broker = Broker(cfg, MemoryObjectStore(), meta, cache)
     broker.partitions.cluster.desired_owner = lambda _t, _p: cfg.node_id  # type: ignore[method-assign]
