@@ -179,6 +179,10 @@ cdef class RingReader:
         self._starts, self._released, self._cap = starts, released, cap
         return 0
 
+    def hold(self, int64_t start, Py_ssize_t n):
+        """track, with what releases the payload: (view, release())."""
+        return self.track(start, n), _Release(self, start)
+
     def track(self, int64_t start, Py_ssize_t n):
         """Hold the payload the worker wrote at start (n bytes): a view of it."""
         cdef int64_t i, off = start % self.size
@@ -194,7 +198,7 @@ cdef class RingReader:
         self._end = start + n
         return self._data[off:off + n]
 
-    def release(self, int64_t start):
+    cpdef release(self, int64_t start):
         """The payload at start is no longer needed (KeyError: it is not held)."""
         cdef int64_t seq = self._seqs.pop(start)
         self._released[seq % self._cap] = 1
@@ -202,6 +206,19 @@ cdef class RingReader:
             self._first += 1
         ks_store_u64(&self._header[8], <uint64_t>(self._starts[self._first % self._cap] if self._first < self._next
                                                   else self._end))
+
+
+cdef class _Release:
+    """Releases one payload a RingReader holds, when called (a cheaper functools.partial)."""
+    cdef RingReader reader
+    cdef int64_t start
+
+    def __cinit__(self, RingReader reader, int64_t start):
+        self.reader = reader
+        self.start = start
+
+    def __call__(self):
+        self.reader.release(self.start)
 
 
 cdef uint32_t _crc(const uint8_t[::1] data, uint32_t crc, int force_sw):

@@ -8,7 +8,6 @@ and every worker AclsChanged when the ACLs change."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import weakref
 from typing import Any
@@ -111,8 +110,7 @@ class LogService:
         if isinstance(payload, messages.RejectedPayload):
             return LogError(ErrorCode(payload.code), payload.message)
         slot, start, length = payload
-        tracker = self.trackers[slot]
-        return tracker.track(start, length), functools.partial(tracker.release, start)
+        return self.trackers[slot].hold(start, length)
 
     async def _frame(self, msg: messages.Frame) -> messages.FrameResult:
         try:

@@ -50,12 +50,16 @@ def test_a_ring_holds_any_number_of_payloads_and_its_tail_passes_only_released_o
     ring = area.rings[0]
     tracker = ring.reader()
     starts = [ring.put(bytes([i % 251]) * 50) for i in range(5000)]  # more than the table's first size
-    views = [tracker.track(start, 50) for start in starts]
-    assert all(bytes(v) == bytes([i % 251]) * 50 for i, v in enumerate(views))
+    held = [tracker.hold(start, 50) if i % 2 else (tracker.track(start, 50), None) for i, start in enumerate(starts)]
+    assert all(bytes(v) == bytes([i % 251]) * 50 for i, (v, _) in enumerate(held))
     order = list(range(1, 5000))
     random.Random(3).shuffle(order)
     for i in order:  # all but the oldest: the tail stays put
-        tracker.release(starts[i])
+        release = held[i][1]
+        if release is None:
+            tracker.release(starts[i])
+        else:
+            release()
         assert ring.in_use() == 5000 * 50
     with pytest.raises(KeyError):
         tracker.release(starts[1])  # released already
