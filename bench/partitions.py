@@ -5,7 +5,7 @@ For each rate and each P, a fresh broker (its own cluster namespace in one
 etcd and one SeaweedFS) gets a topic of P partitions. One record to every
 partition first opens them all (the time until all are acknowledged is
 "open s"; the log process's resident memory before and after gives the cost
-of an idle open partition). Then a librdkafka producer (acks=all, linger.ms
+of an idle open partition). Then a producer (librdkafka; --client below; acks=all, linger.ms
 5, 1 KiB records, partitions in turn; connected first, by one record it
 waits for) offers RATE records/s for --seconds, and waits up to --drain
 seconds for every acknowledgement. Counted by the servers themselves from their
@@ -44,7 +44,14 @@ own P = 1.
 
     python -m bench.partitions [--partitions 1,100,1000,10000] [--rates 2000,20000]
                                [--modes node,partition] [--seconds 15] [--drain 180] [--rounds 1]
-                               [--s3-on-disk]
+                               [--s3-on-disk] [--client librdkafka|sarama|aiokafka]
+
+--client names the producer that offers the load. librdkafka (the default)
+sends a Produce request per partition batch: at 2,000 records/s over 100 or
+more partitions, a request a record. Sarama (Go, bench/go/sarama_offer, built
+against Debian's golang-github-shopify-sarama-dev) and aiokafka send a broker
+one request holding every partition's ready batch, as Kafka's Java client
+does; aiokafka's own cost per record (pure Python) is the highest.
 
 With --rounds N every P runs N times, in turn (1, 100, 1,000, then 1 again),
 and each P's medians over the rounds follow the tables: of its figures, and
@@ -61,13 +68,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
+import functools
 import gc
 import itertools
 import multiprocessing
 import os
+import shutil
 import signal
 import statistics
+import subprocess
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -365,8 +377,84 @@ def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float
     return i, len(lat), failed[0], sorted(lat), max(last_ack[0] - t0, seconds)
 
 
+def offer_aiokafka(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float
+                   ) -> tuple[int, int, int, list[float], float]:
+    """offer with an aiokafka producer (acks=all, linger.ms 5) instead: like
+    Kafka's Java client it sends a broker one Produce request holding the
+    batches of every partition that has one ready, and one at a time, where
+    librdkafka sends one request a partition batch, as many at once as are
+    ready. Its own per-record cost is higher (pure Python)."""
+    from aiokafka import AIOKafkaProducer
+
+    async def run() -> tuple[int, int, int, list[float], float]:
+        p = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=LINGER_MS,
+                             request_timeout_ms=int((seconds + drain) * 1000))
+        await p.start()
+        try:
+            await (await p.send(topic, b"warm-up", partition=0))  # as offer: connection and metadata first
+            value = os.urandom(RECORD)
+            lat: list[float] = []
+            failed = [0]
+            last_ack = [0.0]
+            sent: list[asyncio.Future[object]] = []
+
+            def report(fut: asyncio.Future[object], t: float) -> None:
+                now = time.perf_counter()
+                if fut.cancelled() or fut.exception() is not None:
+                    failed[0] += 1
+                else:
+                    lat.append(now - t)
+                    last_ack[0] = now
+
+            with collector_off():
+                t0 = time.perf_counter()
+                i = 0
+                while (now := time.perf_counter() - t0) < seconds:
+                    due = int(now * rate)
+                    while i < due:
+                        t = time.perf_counter()
+                        fut = await p.send(topic, value, partition=i % partitions)
+                        fut.add_done_callback(lambda f, t=t: report(f, t))
+                        sent.append(fut)
+                        i += 1
+                    await asyncio.sleep(0.002)
+                await asyncio.wait(sent, timeout=drain)
+            return i, len(lat), failed[0], sorted(lat), max(last_ack[0] - t0, seconds)
+        finally:
+            await p.stop()
+
+    return asyncio.run(run())
+
+
+@functools.cache
+def sarama_offer() -> Path:
+    """bench/go/sarama_offer, built once a run (before any load: compiling takes CPU)."""
+    from tests.integration.foreign import build_go
+
+    out = Path(tempfile.mkdtemp(prefix="kafscale-bench-go-"))
+    atexit.register(shutil.rmtree, out, True)
+    return build_go(Path(__file__).parent / "go" / "sarama_offer", out)
+
+
+def offer_sarama(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float
+                 ) -> tuple[int, int, int, list[float], float]:
+    """offer with Sarama's asynchronous producer (Go: bench/go/sarama_offer,
+    built against Debian's golang-github-shopify-sarama-dev): a request per
+    broker holding every partition's ready batch, as aiokafka and Kafka's
+    Java client send them, at a compiled client's cost per record."""
+    r = subprocess.run([str(sarama_offer()), bootstrap, topic, str(partitions), str(rate), str(seconds), str(drain),
+                        str(LINGER_MS), str(RECORD)], capture_output=True, text=True,
+                       timeout=seconds + drain + 120, check=True)
+    head, *lines = r.stdout.split("\n")
+    offered, acked, failed, secs = head.split()
+    return int(offered), int(acked), int(failed), sorted(int(v) / 1e6 for v in lines if v), float(secs)
+
+
+OFFERS = {"librdkafka": offer, "aiokafka": offer_aiokafka, "sarama": offer_sarama}  # --client: who offers the load
+
+
 def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int, rate: int, seconds: float,
-            drain: float) -> Run:
+            drain: float, producer: str = "librdkafka") -> Run:
     cluster = f"p{partitions}r{rate}{uuid.uuid4().hex[:4]}"
     admin = f"127.0.0.1:{free_port()}"
     reference = reference_ms()
@@ -389,7 +477,8 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
             etcd, weed = (p.pid for p in stack.procs)
             with CpuMeter({"broker": [proc.pid, log_process, *workers], "log process": [log_process],
                            "workers": workers, "SeaweedFS": [weed], "etcd": [etcd]}) as cpu:
-                offered, acked, failed, lat, secs = offer(bootstrap, topic, partitions, rate, seconds, drain)
+                offered, acked, failed, lat, secs = OFFERS[producer](bootstrap, topic, partitions, rate, seconds,
+                                                                    drain)
             machine = (machine_busy_s() - busy[0]) / (time.perf_counter() - busy[1])
         end, hist_end = stack.server_counts(), histogram_buckets(broker_url, BROKER_HISTOGRAMS)
         broker_ms = stage_ms(hist, hist_end)
@@ -493,8 +582,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run every P this many times, in turn, and report the "
                     "medians too")
     ap.add_argument("--s3-on-disk", action="store_true", help="keep SeaweedFS's objects on etcd's disk")
+    ap.add_argument("--client", choices=sorted(OFFERS), default="librdkafka",
+                    help="the producer that offers the load (aiokafka and sarama: a request per broker, not per "
+                    "partition)")
     args = ap.parse_args()
     counts = sorted(int(x) for x in args.partitions.split(","))
+    if args.client == "sarama":
+        sarama_offer()
     with stack_dirs(args.s3_on_disk) as (tmp, s3_dir):
         stack = DevStack(data_dir=tmp, volume_mib=8192, s3_dir=s3_dir).start()
         print(f"SeaweedFS's objects in {stack.s3_dir}, etcd's data in {tmp}/etcd")
@@ -502,12 +596,14 @@ def main() -> None:
             put_p99 = pct(asyncio.run(put_latencies(stack)), 0.99)
             etcd_p99 = pct(asyncio.run(etcd_txn_latencies(stack)), 0.99)
             bound = latency_bound(put_p99, etcd_p99)
-            print(f"64 KiB S3 PUT p99 {put_p99 * 1000:.1f} ms, etcd transaction p99 {etcd_p99 * 1000:.1f} ms")
+            print(f"64 KiB S3 PUT p99 {put_p99 * 1000:.1f} ms, etcd transaction p99 {etcd_p99 * 1000:.1f} ms; "
+                  f"the load offered by a {args.client} producer")
             runs = []
             for mode in args.modes.split(","):
                 for rate in (int(x) for x in args.rates.split(",")):
                     for rnd, n in itertools.product(range(args.rounds), counts):
-                        runs.append(measure(stack, Path(tmp), mode, rnd, n, rate, args.seconds, args.drain))
+                        runs.append(measure(stack, Path(tmp), mode, rnd, n, rate, args.seconds, args.drain,
+                                            args.client))
                         r = runs[-1]
                         print(f"{mode} P={n} rate={rate} round {rnd + 1}: {r.acked}/{r.offered} acked in "
                               f"{r.seconds:.1f} s", flush=True)

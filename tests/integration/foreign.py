@@ -13,14 +13,16 @@ NODE = HERE / "node"
 GOPATH = "/usr/share/gocode"  # where Debian's Go library packages install their source
 
 
-def build_go(program: str, out_dir: Path) -> Path:
-    """Compile tests/integration/go/{program} against Debian's Sarama; returns the binary."""
+def build_go(program: str | Path, out_dir: Path) -> Path:
+    """Compile tests/integration/go/{program} (or the program in directory
+    `program`) against Debian's Sarama; returns the binary."""
     go = shutil.which("go")
     assert go, "golang-go is not installed (.ci/run installs it)"
-    out = out_dir / program
+    src = program if isinstance(program, Path) else HERE / "go" / program
+    out = out_dir / src.name
     env = {**os.environ, "GOPATH": GOPATH, "GO111MODULE": "off", "GOFLAGS": "", "GOCACHE": str(out_dir / "cache"),
            "CGO_CFLAGS": "-Wno-deprecated-declarations"}
-    r = subprocess.run([go, "build", "-o", str(out), "."], cwd=HERE / "go" / program, env=env,
+    r = subprocess.run([go, "build", "-o", str(out), "."], cwd=src, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
