@@ -341,6 +341,35 @@ def open_all(bootstrap: str, topic: str, partitions: int) -> None:
         raise RuntimeError("the partitions did not all open")
 
 
+class Delivered:
+    """A producer's delivery reports: each acknowledged record's latency, how
+    many failed, and when the last one was acknowledged."""
+
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.failed = 0
+        self.start = self.last_ack = time.perf_counter()
+
+    def paced(self, rate: int, seconds: float) -> Iterator[int]:
+        """From now, for seconds: how many records are due by now, at rate a second."""
+        self.start = time.perf_counter()
+        while (now := time.perf_counter() - self.start) < seconds:
+            yield int(now * rate)
+
+    def report(self, ok: bool, sent: float) -> None:
+        now = time.perf_counter()
+        if ok:
+            self.latencies.append(now - sent)
+            self.last_ack = now
+        else:
+            self.failed += 1
+
+    def result(self, offered: int, seconds: float) -> tuple[int, int, int, list[float], float]:
+        """offer's answer: (offered, acked, failed, sorted latencies, seconds from the first record to the last ack)."""
+        return (offered, len(self.latencies), self.failed, sorted(self.latencies),
+                max(self.last_ack - self.start, seconds))
+
+
 def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float
           ) -> tuple[int, int, int, list[float], float]:
     """Offer rate records/s for seconds, then wait up to drain s for the acknowledgements:
@@ -351,30 +380,18 @@ def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float
     p.produce(topic, value=b"warm-up", partition=0)  # the client's connection and metadata are not the broker's
     p.flush(60)  # latency (they added 70-150 ms to the first records, a third of P = 1's p99)
     value = os.urandom(RECORD)
-    lat: list[float] = []
-    failed = [0]
-    last_ack = [0.0]
-
-    def report(err: object, t: float) -> None:
-        now = time.perf_counter()
-        if err is None:
-            lat.append(now - t)
-            last_ack[0] = now
-        else:
-            failed[0] += 1
-
+    acks = Delivered()
     with collector_off():
-        t0 = time.perf_counter()
         i = 0
-        while (now := time.perf_counter() - t0) < seconds:
-            due = int(now * rate)
+        for due in acks.paced(rate, seconds):
             while i < due:
                 t = time.perf_counter()
-                p.produce(topic, value=value, partition=i % partitions, on_delivery=lambda e, _m, t=t: report(e, t))
+                p.produce(topic, value=value, partition=i % partitions,
+                          on_delivery=lambda e, _m, t=t: acks.report(e is None, t))
                 i += 1
             p.poll(0.002)
         p.flush(drain)
-    return i, len(lat), failed[0], sorted(lat), max(last_ack[0] - t0, seconds)
+    return acks.result(i, seconds)
 
 
 def offer_aiokafka(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float
@@ -393,33 +410,21 @@ def offer_aiokafka(bootstrap: str, topic: str, partitions: int, rate: int, secon
         try:
             await (await p.send(topic, b"warm-up", partition=0))  # as offer: connection and metadata first
             value = os.urandom(RECORD)
-            lat: list[float] = []
-            failed = [0]
-            last_ack = [0.0]
+            acks = Delivered()
             sent: list[asyncio.Future[object]] = []
-
-            def report(fut: asyncio.Future[object], t: float) -> None:
-                now = time.perf_counter()
-                if fut.cancelled() or fut.exception() is not None:
-                    failed[0] += 1
-                else:
-                    lat.append(now - t)
-                    last_ack[0] = now
-
             with collector_off():
-                t0 = time.perf_counter()
                 i = 0
-                while (now := time.perf_counter() - t0) < seconds:
-                    due = int(now * rate)
+                for due in acks.paced(rate, seconds):
                     while i < due:
                         t = time.perf_counter()
                         fut = await p.send(topic, value, partition=i % partitions)
-                        fut.add_done_callback(lambda f, t=t: report(f, t))
+                        fut.add_done_callback(
+                            lambda f, t=t: acks.report(not f.cancelled() and f.exception() is None, t))
                         sent.append(fut)
                         i += 1
                     await asyncio.sleep(0.002)
                 await asyncio.wait(sent, timeout=drain)
-            return i, len(lat), failed[0], sorted(lat), max(last_ack[0] - t0, seconds)
+            return acks.result(i, seconds)
         finally:
             await p.stop()
 
