@@ -12,12 +12,15 @@ Printed: this process's CPU time (user + system, getrusage) per request
 over --requests requests, for --runs runs, each in a fresh process. Staging
 each payload in a ring (a worker's part) is included: about 1 µs a request.
 
-    python -m bench.logproc --requests 40000 --runs 5 [--partitions 100] [--calls 50]
+    python -m bench.logproc --requests 40000 --runs 5 [--partitions 100] [--calls 50] [--spread 1]
 
 With many partitions and few requests a call (--partitions 10000 --calls 5,
 as at 2,000 records/s over 10,000 partitions) each partition's slice of a
 node object holds one request, and the costs of a slice and of a call
-count as much as those of a request.
+count as much as those of a request. With --spread N each request names N
+partitions (each with its own payload of two records), as Kafka's Java
+client and Sarama send a broker one request holding every partition's ready
+batch: the cost printed is then that of N partition batches.
 
 What the in-memory stores cost is not the broker's; compare commits by
 running this at each, alternately, on the same machine (with
@@ -47,7 +50,7 @@ CALLS_IN_FLIGHT = 20
 TOPIC = "bench"
 
 
-async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS) -> float:
+async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS, spread: int = 1) -> float:
     cfg = Config(node_id=1, namespace="bench", node_flush=True)
     etcd = MemoryEtcd()
     meta = MetaStore.in_memory("bench", etcd)
@@ -71,7 +74,8 @@ async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS) 
     def produce(first: int) -> asyncio.Future[list[object]]:
         call: list[messages.ProduceCall] = [
             (1, 9, "bench", "/127.0.0.1", "User:ANONYMOUS", -1, 30_000, None,
-             ((TOPIC, (((first + i) % partitions, staged()),)),)) for i in range(calls)]
+             ((TOPIC, tuple((((first + i) * spread + j) % partitions, staged()) for j in range(spread))),))
+            for i in range(calls)]
         return asyncio.ensure_future(service._produce(0, call))
 
     async def load(n: int) -> None:
@@ -84,7 +88,7 @@ async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS) 
             await asyncio.sleep(0)
         await asyncio.gather(*in_flight)
 
-    await load(partitions * 4)  # every partition opened
+    await load(-(-partitions * 4 // spread))  # every partition opened
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
@@ -95,14 +99,14 @@ async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS) 
     return per_request
 
 
-def _one(requests: int, partitions: int, calls: int, out: mp.Queue) -> None:
-    out.put(asyncio.run(_run(requests, partitions, calls)))
+def _one(requests: int, partitions: int, calls: int, spread: int, out: mp.Queue) -> None:
+    out.put(asyncio.run(_run(requests, partitions, calls, spread)))
 
 
-def one_run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS) -> float:
+def one_run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS, spread: int = 1) -> float:
     """The log process's CPU per request (µs), in a fresh process."""
     out: mp.Queue = mp.Queue()
-    proc = mp.Process(target=_one, args=(requests, partitions, calls, out))
+    proc = mp.Process(target=_one, args=(requests, partitions, calls, spread, out))
     proc.start()
     per_request: float = out.get()
     proc.join()
@@ -112,7 +116,9 @@ def one_run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS) -> 
 def main() -> None:
     per_request_runs(__doc__, one_run, "log process", {
         "partitions": (PARTITIONS, "partitions the requests go to, in turn"),
-        "calls": (CALLS, "produce requests in one call from a worker")})
+        "calls": (CALLS, "produce requests in one call from a worker"),
+        "spread": (1, "partitions a request names (librdkafka: 1; Kafka's Java client and Sarama: every "
+                      "partition with a batch ready)")})
 
 
 if __name__ == "__main__":
