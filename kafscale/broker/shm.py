@@ -90,10 +90,6 @@ class Ring:
         """Reserve room for payload and copy it in (in one native call); its absolute position, or None when full."""
         return self.writer.put(payload)
 
-    def view(self, start: int, n: int) -> memoryview:
-        off = start % self.size
-        return self.data[off:off + n]
-
     # ------------------------------------------------------ log process side
     def reader(self) -> _native.RingReader:
         """The log process's end of the ring (one only): holds payloads, moves the tail."""
