@@ -195,8 +195,7 @@ class PartitionLog(LogReader):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._fail_pending(self._inflight + self._pending, code)
-        self._pending, self._inflight = [], []
+        self._fail_queued(code)
         self.stop_reading()
         self._on_change(self, None)
 
@@ -228,8 +227,10 @@ class PartitionLog(LogReader):
         base = self.next_offset
         for b in batches:  # not sum(generator): with ProduceApi._append, 2.5% of a request's instructions
             self.next_offset += b.last_offset_delta + 1
-        if not self._pending:
-            self._linger.queued()
+        if not self._pending:  # else the log is not idle already (nor its own flush loop's linger idle)
+            self._idle.clear()
+            if self.node is None:
+                self._linger.queued()
         producer = None
         if first.producer_id >= 0:
             last_seq = batches[-1].base_sequence + batches[-1].last_offset_delta
@@ -237,7 +238,6 @@ class PartitionLog(LogReader):
             self._producers[first.producer_id].recent.append((first.base_sequence, last_seq, base))
         self._pending.append(_Pending(payload, base, None if ack is None else [ack], release, producer))
         self._pending_bytes += len(payload)
-        self._idle.clear()
         if self.node is not None:
             self.node[0].notify(self, len(payload))
         else:
@@ -248,18 +248,22 @@ class PartitionLog(LogReader):
     def has_queued(self) -> bool:
         return bool(self._pending)
 
-    def take(self, limit: int) -> list[_Pending]:
-        """The node flusher takes queued batches (at least one, then up to limit bytes)."""
-        take, size = [], 0
-        for p in self._pending:
-            if take and size + len(p.payload) > limit:
-                break
-            take.append(p)
-            size += len(p.payload)
-        self._pending = self._pending[len(take):]
+    def take(self, limit: int) -> tuple[list[_Pending], int]:
+        """Queued batches to flush (at least one, then up to limit bytes):
+        them and their bytes. The node flusher takes them, or the log's own
+        flush loop without node flushes."""
+        pending, size = self._pending, self._pending_bytes
+        if size <= limit or len(pending) < 2:  # the usual: all of them
+            take, self._pending = pending, []
+        else:
+            size, n = len(pending[0].payload), 1
+            while n < len(pending) and size + len(pending[n].payload) <= limit:
+                size += len(pending[n].payload)
+                n += 1
+            take, self._pending = pending[:n], pending[n:]
         self._pending_bytes -= size
-        self._inflight.extend(take)
-        return take
+        self._inflight += take
+        return take, size
 
     @staticmethod
     def producers_of(items: list[_Pending]) -> dict[str, list[Any]]:
@@ -268,7 +272,14 @@ class PartitionLog(LogReader):
     def committed(self, manifest: SegmentManifest, items: list[_Pending]) -> None:
         """The node object holding these batches (a slice of it: manifest) is
         committed (and its slices are in the cache: NodeFlusher puts them all at once)."""
-        self.add_segment(manifest)
+        bases = self._bases
+        if (bases and bases[-1] >= manifest.base) or not self._is_slice(manifest):
+            self.add_segment(manifest)
+        else:  # the usual: a slice after the others (add_segment's first case, without its calls)
+            self.segments.append(manifest)
+            bases.append(manifest.base)
+            self._slice_count += 1
+            self._slice_bytes += manifest.size
         self.hw = manifest.last + 1
         self._resolve(items)
         self._on_change(self, manifest)
@@ -279,8 +290,7 @@ class PartitionLog(LogReader):
         """A node object with our batches failed (fenced): nothing queued here can become durable."""
         if not self.closed:
             self.closed = True
-            self._fail_pending(self._inflight + self._pending, ErrorCode.NOT_LEADER_OR_FOLLOWER)
-            self._pending, self._inflight = [], []
+            self._fail_queued(ErrorCode.NOT_LEADER_OR_FOLLOWER)
             self._on_change(self, None)
         self._idle.set()
 
@@ -549,18 +559,10 @@ class PartitionLog(LogReader):
                     await asyncio.sleep(wait)
             await self._uncommitted.acquire()
             await self._upload_slots.acquire()
-            take, size = [], 0
-            for p in self._pending:
-                if take and size + len(p.payload) > self.segment_bytes:
-                    break
-                take.append(p)
-                size += len(p.payload)
-            self._pending = self._pending[len(take):]
-            self._pending_bytes -= size
+            take, _ = self.take(self.segment_bytes)
             self._linger.cut()
             if not self._pending:
                 self._wake.clear()
-            self._inflight.extend(take)
             prev = asyncio.create_task(self._flush(take, prev), name=f"flush {self.topic}/{self.partition}")
             self._flushes.add(prev)
             prev.add_done_callback(self._flush_done)
@@ -579,13 +581,15 @@ class PartitionLog(LogReader):
                 self._flusher.cancel()
             for t in self._flushes:
                 t.cancel()
-            self._fail_pending(self._inflight + self._pending, ErrorCode.NOT_LEADER_OR_FOLLOWER)
-            self._pending, self._inflight = [], []
+            self._fail_queued(ErrorCode.NOT_LEADER_OR_FOLLOWER)
             self._on_change(self, None)
         if not self._flushes and not self._pending:
             self._idle.set()
 
-    def _fail_pending(self, items: list[_Pending], code: ErrorCode) -> None:
+    def _fail_queued(self, code: ErrorCode) -> None:
+        """Fail every batch queued or being flushed (none of it can become durable now)."""
+        items = self._inflight + self._pending
+        self._pending, self._inflight, self._pending_bytes = [], [], 0
         for p in items:
             p.done_with_payload()
             p.answer(LogError(code))

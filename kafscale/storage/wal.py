@@ -84,7 +84,7 @@ def shared_key(namespace: str, fence: str, seq: int) -> str:
     return f"{shared_prefix(namespace)}{fence}/{seq:012d}.kfn"
 
 
-@dataclass
+@dataclass(slots=True)
 class Slice:
     """One partition's part of a node object or of a shared segment object:
     its segment's manifest (naming the object and the slice's position) and,
@@ -391,12 +391,12 @@ class NodeFlusher:
                 del self.queued[lg]
                 lg.flush_failed()
                 continue
-            items = lg.take(limit - size)
+            items, n = lg.take(limit - size)
             if not lg.has_queued():
                 del self.queued[lg]
             if items:
                 taken.append((lg, items))
-                size += sum(len(p.payload) for p in items)
+                size += n
         self.queued_bytes = max(self.queued_bytes - size, 0) if self.queued else 0
         self._linger.cut()
         if not self.queued:
@@ -446,19 +446,17 @@ class NodeFlusher:
             body, built = build_slices([items for _, items in taken], created)
             slices: list[Slice] = []
             cached: list[tuple[str, int, int, bytes]] = []  # each slice's entry for the cache (put_object)
+            ids: dict[str, bytes] = {}
             for (lg, items), (pos, size, base, last, count, min_ts, max_ts, tables) in zip(taken, built, strict=True):
                 m = SegmentManifest(base, last, count, size, min_ts, max_ts, key, created, lg.producers_of(items), pos)
                 slices.append(Slice(lg, m, items))
                 cached.append((m.ref, pos, size, tables))
-            for _, items in taken:
                 for p in items:
                     p.done_with_payload()
-            ids = {}
-            for s in slices:
-                tid = self.topic_id(s.log.topic)
-                if tid is None:
-                    raise Fenced(f"topic {s.log.topic} was deleted")
-                ids[s.log.topic] = tid
+                if lg.topic not in ids:
+                    if (tid := self.topic_id(lg.topic)) is None:
+                        raise Fenced(f"topic {lg.topic} was deleted")
+                    ids[lg.topic] = tid
             dir_raw = directory(key, created, slices, ids)
             body = seal(body, dir_raw)
             metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(body))
