@@ -165,6 +165,28 @@ def test_a_batch_goes_at_once_with_nothing_under_way_and_gathers_for_the_linger_
     run(go())
 
 
+def test_take_hands_over_at_least_one_batch_then_up_to_the_limit_in_queue_order():
+    """What a flush takes of a log's queue: the first batch whatever its
+    size, then the next ones that fit the limit, with their bytes; the rest
+    stays queued for the next flush."""
+    async def go():
+        c = Cluster()
+        lg = PartitionLog(TOPIC, 0, Config(node_id=1, namespace="unit"), c.store, c.meta, DictCache(),
+                          ReadBudget(1 << 20), lambda _lg, _m: None)  # not opened: no flush loop takes meanwhile
+        payloads = [batch(b"x" * n) for n in (100, 200, 300, 400)]
+        for p in payloads:
+            lg.append(p, _native.scan_batches(p, True), None)
+        sizes = [len(p) for p in payloads]
+        for limit, expect in ((sizes[0] - 1, [0]), (sizes[1] + sizes[2] + 1, [1, 2]), (1 << 20, [3])):
+            taken, n = lg.take(limit)
+            assert [t.payload for t in taken] == [payloads[i] for i in expect]
+            assert n == sum(sizes[i] for i in expect) and lg.has_queued() == (expect != [3])
+        assert lg.take(1 << 20) == ([], 0)
+        assert [p.base for p in lg._inflight] == [0, 1, 2, 3], "taken, in offset order, until committed"
+
+    run(go())
+
+
 def test_only_a_segment_of_more_than_64_kib_of_batches_gets_an_index():
     async def go():
         c = Cluster()
