@@ -44,6 +44,9 @@ func main() {
 	cfg.Producer.Partitioner = sarama.NewManualPartitioner
 	cfg.Producer.Flush.Frequency = time.Duration(arg(7) * float64(time.Millisecond))
 	cfg.Producer.Timeout = time.Duration((seconds + drain) * float64(time.Second))
+	// the connection waits for an answer as long as the broker is told to hold it (Sarama's own
+	// 30 s would close it under a backlog and send every batch in flight again)
+	cfg.Net.ReadTimeout = cfg.Producer.Timeout + 10*time.Second
 	cfg.ChannelBufferSize = 1 << 16
 	p, err := sarama.NewAsyncProducer([]string{os.Args[1]}, cfg)
 	if err != nil {
