@@ -251,6 +251,18 @@ def histogram_buckets(url: str, histograms: dict[str, tuple[str, tuple[str, str]
     return out
 
 
+def compacted_bytes(url: str) -> dict[str, float]:
+    """The broker's kafscale_compacted_bytes from a /metrics URL, per source (slices, merged)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"slices": 0.0, "merged": 0.0}
+    for fam in text_string_to_metric_families(urllib.request.urlopen(url, timeout=10).read().decode()):
+        for s in fam.samples:
+            if s.name == "kafscale_compacted_bytes_total":
+                out[s.labels["source"]] += s.value
+    return out
+
+
 def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
     """The upper bound of the bucket holding quantile q of what was observed between two scrapes."""
     bounds = sorted(after)
@@ -296,6 +308,7 @@ class Run:
     etcd_ms: dict[str, tuple[float, float, float]]  # ETCD_HISTOGRAMS column -> (p50, p99, max) in ms
     produce_requests: float
     compacted_s: float  # from the last acknowledgement until every node object is compacted away
+    rewrote: dict[str, float]  # bytes compaction rewrote from the load's start until compacted_s: slices, merged
     probe_put_p99: float  # seconds, a 64 KiB PUT by the StorageProbe during the load
     probe_txn_p99: float  # seconds, a one-key etcd transaction by the StorageProbe during the load
     reference_ms: float  # the machine's reference work just before the broker started (reference_ms())
@@ -475,7 +488,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
         open_s = time.perf_counter() - opening
         idle = (rss_kib(log_process) - before_open) / partitions
         broker_url, etcd_url = f"http://{admin}/metrics", f"http://{stack.etcd_endpoint}/metrics"
-        start = stack.server_counts()
+        start, compacted_before = stack.server_counts(), compacted_bytes(broker_url)
         with StorageProbe(stack) as probe:
             hist, disk = histogram_buckets(broker_url, BROKER_HISTOGRAMS), histogram_buckets(etcd_url, ETCD_HISTOGRAMS)
             busy = machine_busy_s(), time.perf_counter()
@@ -490,6 +503,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
         etcd_ms = stage_ms(disk, histogram_buckets(etcd_url, ETCD_HISTOGRAMS))
         requests = hist_end["produce"].get(float("inf"), 0) - hist["produce"].get(float("inf"), 0)
         compacted = compacted_s(stack, cluster, drain)
+        rewrote = {k: v - compacted_before[k] for k, v in compacted_bytes(broker_url).items()}
         peak = rss_kib(log_process, "VmHWM") / 1024
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -499,7 +513,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
                end["db"] / (1 << 20),
                lat, cpu.cores["broker"], {k: cpu.cores[k] for k in ("log process", "workers", "SeaweedFS", "etcd")},
                cpu.cores["bench client"], machine, peak, idle, open_s, broker_ms, etcd_ms,
-               requests, compacted, pct(probe.puts, 0.99), pct(probe.txns, 0.99), reference)
+               requests, compacted, rewrote, pct(probe.puts, 0.99), pct(probe.txns, 0.99), reference)
 
 
 def report(runs: list[Run], idle_bound: float) -> None:
@@ -524,6 +538,10 @@ def report(runs: list[Run], idle_bound: float) -> None:
             stages = ", ".join(f"{col} {p50:g}/{p99:g}/{top:g}" for col, (p50, p99, top) in r.broker_ms.items())
             print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s, {r.per_s('gets'):.0f} "
                   f"S3 GETs/s; p50/p99/max ms: {stages}")
+            if r.rewrote["slices"]:
+                print(f"       compaction rewrote {r.rewrote['slices'] / (1 << 20):.1f} MiB of slices and "
+                      f"{r.rewrote['merged'] / (1 << 20):.1f} MiB of merged segments: write amplification "
+                      f"{sum(r.rewrote.values()) / r.rewrote['slices']:.2f}")
             disk = ", ".join(f"{col} {p99:g}/{top:g}" for col, (_, p99, top) in r.etcd_ms.items())
             of = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_of.items())
             print(f"       CPU cores: broker {r.cpu:.2f} ({of}), the producer {r.client_cpu:.2f}, the whole machine "

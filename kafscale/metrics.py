@@ -42,6 +42,10 @@ ETCD_SECONDS = Histogram("kafscale_etcd_commit_seconds",
 LOOP_LAG = Histogram("kafscale_event_loop_lag_seconds",
                      "How late a process's event loop runs a callback due now (how busy the process is)",
                      ["node", "process"], buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+COMPACTED_BYTES = Counter("kafscale_compacted_bytes",
+                          "Bytes compaction rewrote into committed segments, by what they were: slices (node objects' "
+                          "bytes, compacted for the first time) or merged (small compacted segments written again); "
+                          "(slices + merged) / slices is compaction's write amplification", ["node", "source"])
 FLUSH_BYTES = Histogram("kafscale_segment_flush_bytes", "Size of each node object or segment a flush uploads", ["node"],
                         buckets=tuple(float(1 << n) for n in range(12, 31, 2)))
 

@@ -453,8 +453,14 @@ class PartitionLog(LogReader):
         self._state_raw = raw
         self.checkpoint = manifest.last + 1
 
-    def serve_compacted(self, manifest: SegmentManifest, seg: BuiltSegment) -> None:
-        """Serve from a committed compacted segment instead of the slices it replaces."""
+    def serve_compacted(self, manifest: SegmentManifest, built: Compaction) -> None:
+        """Serve from a committed compacted segment instead of the slices (and
+        merged segments) it replaces, and count what it rewrote."""
+        merged, slices, seg = built
+        node = metrics.node()
+        metrics.COMPACTED_BYTES.labels(node, "slices").inc(sum(m.size for m in slices))
+        if merged:
+            metrics.COMPACTED_BYTES.labels(node, "merged").inc(sum(m.size for m in merged))
         self.cache.put(manifest.ref, CachedSegment.from_built(seg))
         self.add_segment(manifest)
         self._on_change(self, manifest)
@@ -493,7 +499,7 @@ class PartitionLog(LogReader):
             if closed:
                 await self._delete_objects([manifest], "a compaction of a closed log")
                 return
-            self.serve_compacted(manifest, seg)
+            self.serve_compacted(manifest, built)
 
     async def release_fence(self) -> None:
         """Handing over with nothing in flight: clear our fence from the partition's

@@ -45,8 +45,7 @@ from kafscale import faults, metrics
 from kafscale.config import Config
 from kafscale.metadata.store import SHARED_PARTITIONS, TXN_MAX_OPS, MetaStore, SegmentManifest
 from kafscale.storage.objectstore import ObjectStore
-from kafscale.storage.partition import PartitionLog
-from kafscale.storage.segment import BuiltSegment
+from kafscale.storage.partition import Compaction, PartitionLog
 from kafscale.storage.wal import Slice, directory, retry, seal, shared_key, upload
 
 log = logging.getLogger(__name__)
@@ -142,7 +141,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
     key = shared_key(cfg.namespace, fence, seq)
     created = int(time.time() * 1000)
     shares: list[Slice] = []  # one per partition, with no batches of its own (they are committed already)
-    segs: dict[PartitionLog, BuiltSegment] = {}  # the segment each one's slice is
+    builts: dict[PartitionLog, Compaction] = {}  # each one's compaction (its slice is the segment built)
     merged: dict[PartitionLog, list[int]] = {}  # the base offsets of the segments each one merges
     ids: dict[str, bytes] = {}
     spare = TXN_MAX_OPS - 1 - 2 * len(logs)  # the transaction's operations left for merged manifests' deletes
@@ -154,17 +153,16 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
         if built is None or tid is None:  # closed meanwhile, or its topic deleted
             continue
         ids[lg.topic] = tid
-        seg = built[2]
         merged[lg] = [m.base for m in built[0]]
         spare -= max(len(built[0]) - 1, 0)
         shares.append(Slice(lg, lg.compacted_manifest(built, key, pos), []))
-        segs[lg] = seg
-        pos += len(seg.data)
+        builts[lg] = built
+        pos += len(built[2].data)
         await asyncio.sleep(0)  # one partition's segment at a time: 20 in one go held the event loop for up to 48 ms
     if not shares:
         return 0
 
-    body = seal(bytearray().join([segs[s.log].data for s in shares]), directory(key, created, shares, ids))
+    body = seal(bytearray().join([builts[s.log][2].data for s in shares]), directory(key, created, shares, ids))
     await upload(store, key, body, cfg.s3_timeout_s)
     faults.reached("mid-compaction")
     committed: list[Slice] = []
@@ -178,7 +176,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
             shares[:] = [s for s in shares if not s.log.closed]  # handed over: its slices stay for the next owner
             if not shares:
                 return
-            states = [s.log.compacted_state(segs[s.log]).to_json() for s in shares]
+            states = [s.log.compacted_state(builts[s.log][2]).to_json() for s in shares]
             t = time.perf_counter()
             ok = await meta.commit_shared(fence, seq, directory(key, created, shares, ids),
                                           [(s.log.topic, s.log.partition, s.log.state_raw(), st, s.manifest,
@@ -209,6 +207,6 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
             await store.delete(key)
         return 0
     for s in committed:  # one partition at a time, as they were built
-        s.log.serve_compacted(s.manifest, segs[s.log])
+        s.log.serve_compacted(s.manifest, builts[s.log])
         await asyncio.sleep(0)
     return len(committed)

@@ -42,7 +42,7 @@ def total(smp: dict, name: str, **labels: str) -> float:
 
 def test_metrics_merge_every_process_and_report_group_lag(make_broker, topic_name):
     admin = f"127.0.0.1:{free_port()}"
-    b = make_broker(workers=2, admin_listen=admin)
+    b = make_broker(workers=2, admin_listen=admin, compaction_lag_ms=500)
     create_topic(b.bootstrap, topic_name)
     confluent_produce(b.bootstrap, topic_name, [Rec(b"k", b"v" * 100) for _ in range(100)])
     c = Consumer({"bootstrap.servers": b.bootstrap, "group.id": f"g-{topic_name}", "enable.auto.commit": False,
@@ -64,9 +64,10 @@ def test_metrics_merge_every_process_and_report_group_lag(make_broker, topic_nam
         scraped[:] = [samples(get(f"http://{admin}/metrics")[1])]
         lagged = {lab["process"] for lab, v in scraped[0].get("kafscale_event_loop_lag_seconds_count", []) if v}
         return (total(scraped[0], "kafscale_fetch_bytes_total") >= 60 * 100
-                and total(scraped[0], "kafscale_produce_bytes_total") >= 100 * 100 and lagged == {"log", "0", "1"})
+                and total(scraped[0], "kafscale_produce_bytes_total") >= 100 * 100 and lagged == {"log", "0", "1"}
+                and total(scraped[0], "kafscale_compacted_bytes_total", source="slices") >= 100 * 100)
 
-    wait_for(counted, 5, "the bytes counted and every process's loop lag sampled")
+    wait_for(counted, 10, "the bytes counted, compacted, and every process's loop lag sampled")
     smp = scraped[0]
     assert total(smp, "kafscale_requests_total", api="Produce") >= 1
     assert total(smp, "kafscale_requests_total", api="Fetch") >= 1

@@ -10,7 +10,9 @@ import gc
 import json
 import random
 
-from kafscale import _native
+from prometheus_client import REGISTRY
+
+from kafscale import _native, metrics
 from kafscale.broker.partitions import compaction_batches
 from kafscale.metadata.store import SegmentManifest
 from kafscale.storage import scan
@@ -246,6 +248,34 @@ def test_slow_partitions_merge_their_small_segments_and_merged_objects_are_colle
             want = [b"p%d-r%d" % (lg.partition, r) for r in range(16)]
             assert await values(lg) == want
             assert await values_of_new_owner(n, lg) == want, "a new owner reads the merged segment from S3"
+        await flusher.stop()
+
+    run(go())
+
+
+def test_compaction_counts_the_slices_and_merged_segments_it_rewrote():
+    """kafscale_compacted_bytes: each compaction adds the bytes of the slices
+    it took and of the compacted segments it merged (those it replaced besides
+    the slices), so that (slices + merged) / slices is the write
+    amplification of merging small segments."""
+    def counted(source: str) -> float:
+        return REGISTRY.get_sample_value("kafscale_compacted_bytes_total",
+                                         {"node": metrics.node(), "source": source}) or 0.0
+
+    async def go():
+        n = Node()
+        flusher, logs = await n.start(partitions=2)
+        want = {"slices": counted("slices"), "merged": counted("merged")}
+        for r in range(6):
+            await fill(logs, rounds=1)
+            slices = {(lg.partition, m.ref): m.size for lg in logs for m in lg._slices()}
+            segments = {(lg.partition, m.ref): m.size for lg in logs for m in lg.segments}
+            assert await share(n, flusher, logs, seq=r + 1) == 2
+            left = {(lg.partition, m.ref) for lg in logs for m in lg.segments}
+            want["slices"] += sum(slices.values())
+            want["merged"] += sum(size for ref, size in segments.items() if ref not in left and ref not in slices)
+            assert {source: counted(source) for source in want} == want, f"round {r}"
+        assert want["merged"] > 0, "merges happened"
         await flusher.stop()
 
     run(go())
