@@ -90,6 +90,8 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.e2e import CpuMeter, broker_children, compacted_s, dev_store, pct, put_latencies, stack_dirs, start_broker
 from kafscale.devstack import DevStack, free_port
@@ -233,14 +235,16 @@ ETCD_HISTOGRAMS: dict[str, tuple[str, tuple[str, str] | None]] = {
 }
 
 
+def scrape(url: str) -> Iterator[Metric]:
+    """The metric families of a Prometheus /metrics URL, parsed."""
+    return text_string_to_metric_families(urllib.request.urlopen(url, timeout=10).read().decode())
+
+
 def histogram_buckets(url: str, histograms: dict[str, tuple[str, tuple[str, str] | None]]
                       ) -> dict[str, dict[float, float]]:
     """Latency histograms scraped from a /metrics URL: cumulative count per bucket bound, per column."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
     out: dict[str, dict[float, float]] = {k: {} for k in histograms}
-    for fam in text_string_to_metric_families(text):
+    for fam in scrape(url):
         for col, (name, label) in histograms.items():
             if fam.name != name:
                 continue
@@ -253,10 +257,8 @@ def histogram_buckets(url: str, histograms: dict[str, tuple[str, tuple[str, str]
 
 def compacted_bytes(url: str) -> dict[str, float]:
     """The broker's kafscale_compacted_bytes from a /metrics URL, per source (slices, merged)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     out = {"slices": 0.0, "merged": 0.0}
-    for fam in text_string_to_metric_families(urllib.request.urlopen(url, timeout=10).read().decode()):
+    for fam in scrape(url):
         for s in fam.samples:
             if s.name == "kafscale_compacted_bytes_total":
                 out[s.labels["source"]] += s.value

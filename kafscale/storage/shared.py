@@ -141,8 +141,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
     key = shared_key(cfg.namespace, fence, seq)
     created = int(time.time() * 1000)
     shares: list[Slice] = []  # one per partition, with no batches of its own (they are committed already)
-    builts: dict[PartitionLog, Compaction] = {}  # each one's compaction (its slice is the segment built)
-    merged: dict[PartitionLog, list[int]] = {}  # the base offsets of the segments each one merges
+    builts: dict[PartitionLog, Compaction] = {}  # each one's compaction: what it merges, its slices, its segment
     ids: dict[str, bytes] = {}
     spare = TXN_MAX_OPS - 1 - 2 * len(logs)  # the transaction's operations left for merged manifests' deletes
     pos = 0
@@ -153,7 +152,6 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
         if built is None or tid is None:  # closed meanwhile, or its topic deleted
             continue
         ids[lg.topic] = tid
-        merged[lg] = [m.base for m in built[0]]
         spare -= max(len(built[0]) - 1, 0)
         shares.append(Slice(lg, lg.compacted_manifest(built, key, pos), []))
         builts[lg] = built
@@ -180,7 +178,8 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
             t = time.perf_counter()
             ok = await meta.commit_shared(fence, seq, directory(key, created, shares, ids),
                                           [(s.log.topic, s.log.partition, s.log.state_raw(), st, s.manifest,
-                                            merged[s.log]) for s, st in zip(shares, states, strict=True)])
+                                            [m.base for m in builts[s.log][0]])
+                                           for s, st in zip(shares, states, strict=True)])
             metrics.ETCD_SECONDS.labels(metrics.node()).observe(time.perf_counter() - t)
             if ok:
                 now = states
