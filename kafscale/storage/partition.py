@@ -58,6 +58,7 @@ COMPACTION_TURN = 64  # slices a compaction gathers before it lets other work ru
 # slices no longer cached that a compaction reads at once: one at a time, a compaction that fell behind read
 # hundreds one GET after another and fell further behind (4 compactions at once: half the store's threads)
 COMPACTION_READS_AT_ONCE = 2
+MERGE_FAN_IN = 4  # a merge of small segments joins this many of a size: the new one and the k - 1 before it
 
 
 # how many of a producer's last batches are remembered for the duplicate check (Kafka: 5)
@@ -364,19 +365,36 @@ class PartitionLog(LogReader):
     def to_merge(self, new_bytes: int, limit: int, most: int) -> list[SegmentManifest]:
         """The compacted segments in shared objects just before the slices that
         a compaction of new_bytes into a shared object takes along, oldest first
-        (at most `most`): going back from the newest, each one no larger than
-        what is taken so far, while everything stays within `limit` bytes and
-        the topic's segment.bytes (retention drops whole segments). Like a
-        binary counter, a partition then keeps about log2(limit / new_bytes)
-        small segments, and each record is rewritten as many times at most."""
+        (at most `most`), while everything stays within `limit` bytes and the
+        topic's segment.bytes (retention drops whole segments). Going back from
+        the newest, a group of MERGE_FAN_IN - 1 at a time, each no larger than
+        what is taken so far: a tiered merge, so a partition keeps up to k - 1
+        small segments of each size (k = MERGE_FAN_IN) and each record goes
+        through about log_k(limit / new_bytes) merges. (Two at a time, a
+        binary counter, took it through log2 of that: after 90 s at 1,000
+        partitions compaction wrote 1.64-1.65 times the slices' bytes, against
+        1.29-1.40 with k = 4, bench/README.md.) A group that would pass
+        `limit` is taken as far as it fits, newest first, else the largest
+        segments below it would never merge."""
         taken: list[SegmentManifest] = []
         size, limit = new_bytes, min(limit, self.segment_bytes)
-        for i in range(len(self.segments) - self._slice_count - 1, -1, -1):
-            m = self.segments[i]
-            if len(taken) == most or m.pos < 0 or m.size > size or size + m.size > limit or m.last < self.log_start:
+        end = len(self.segments) - self._slice_count  # the compacted segments are before it
+        while end >= MERGE_FAN_IN - 1 and len(taken) < most:
+            group = self.segments[end - MERGE_FAN_IN + 1:end][::-1]  # newest first
+            if any(m.pos < 0 or m.size > size or m.last < self.log_start for m in group):
                 break
-            taken.append(m)
-            size += m.size
+            fit, grown = 0, size
+            while fit < len(group) and grown + group[fit].size <= limit:
+                grown += group[fit].size
+                fit += 1
+            if fit == len(group) and len(taken) + fit > most:  # the transaction has no room for the whole group
+                break
+            fit = min(fit, most - len(taken))
+            taken += group[:fit]
+            size += sum(m.size for m in group[:fit])
+            if fit < len(group):
+                break
+            end -= fit
         return taken[::-1]
 
     def uncached_slices(self) -> list[SegmentManifest]:

@@ -20,11 +20,11 @@ slice.
 A partition that writes little would add a small segment (and an etcd key)
 every compaction for as long as its data is kept. Its compaction therefore
 also takes the small segments before it that are in shared objects
-(PartitionLog.to_merge: each no larger than what is taken so far, up to
-SHARED_SEGMENT_BYTES), rewrites them with the new slices into one segment
-at the first one's base offset, and the same transaction deletes their
-other manifests; a partition keeps about log2(SHARED_SEGMENT_BYTES / bytes
-per compaction) small segments. The collector deletes a shared object once
+(PartitionLog.to_merge: three at a time, each no larger than what is taken
+so far, up to SHARED_SEGMENT_BYTES), rewrites them with the new slices into
+one segment at the first one's base offset, and the same transaction deletes
+their other manifests; a partition keeps up to three small segments of each
+size, about log4(SHARED_SEGMENT_BYTES / bytes per compaction) sizes. The collector deletes a shared object once
 every segment in it is before its partition's log start, of a deleted
 topic, or merged into a segment of a later shared object (one of the same
 partition covering a larger range).

@@ -219,10 +219,15 @@ def test_a_bucket_listing_chains_shared_segments_with_leftover_kfs_objects(monke
     run(go())
 
 
+def base4_digit_sum(n: int) -> int:
+    return n and n % 4 + base4_digit_sum(n // 4)
+
+
 def test_slow_partitions_merge_their_small_segments_and_merged_objects_are_collected():
     """Sixteen compactions of one batch per partition leave each partition one
-    segment (merged like a binary counter: at most log2 of the rounds at any
-    time), its other manifests deleted in the same transactions; every record
+    segment (merged four of a size at a time: after r rounds, as many as the
+    digits of r in base 4 add up to), its other manifests deleted in the same
+    transactions; every record
     is served once, also by new owners reading S3; the collectors (two
     brokers' in turn: each also sees what the other forgot) forget every
     shared object whose segments were all merged into later ones."""
@@ -235,7 +240,7 @@ def test_slow_partitions_merge_their_small_segments_and_merged_objects_are_colle
             assert await share(n, flusher, logs, seq=r + 1) == 2
             for lg in logs:
                 manifests = await n.meta.list_segments(TOPIC, lg.partition)
-                assert len(manifests) == (r + 1).bit_count(), f"round {r}: {[(m.base, m.last) for m in manifests]}"
+                assert len(manifests) == base4_digit_sum(r + 1), f"round {r}: {[(m.base, m.last) for m in manifests]}"
                 assert [(m.base, m.last) for m in lg.segments] == [(m.base, m.last) for m in manifests]
                 assert lg._slice_count == 0 and lg.checkpoint == lg.hw == r + 1
             await collectors[r % 2].run()
@@ -290,12 +295,13 @@ def test_merges_stay_within_the_topics_segment_bytes():
         await append(lg, batch(b"r0"))
         assert await share(n, flusher, [lg]) == 1
         [first] = await n.meta.list_segments(TOPIC, 0)
-        lg.segment_bytes = 3 * first.size  # two records' segment fits, four records' does not
+        lg.segment_bytes = 3 * first.size  # three one-record segments fit, four do not
         for r in range(1, 8):
             await append(lg, batch(b"r%d" % r))
             assert await share(n, flusher, [lg], seq=r + 1) == 1
         manifests = await n.meta.list_segments(TOPIC, 0)
-        assert [m.count for m in manifests] == [2, 2, 2, 2], [(m.base, m.last, m.size) for m in manifests]
+        # each fourth round's group of three is taken as far as it fits: the new record and the two newest
+        assert [m.count for m in manifests] == [1, 3, 1, 3], [(m.base, m.last, m.size) for m in manifests]
         assert max(m.size for m in manifests) <= lg.segment_bytes
         assert await values(lg) == [b"r%d" % r for r in range(8)]
         await flusher.stop()
