@@ -258,6 +258,26 @@ def test_slow_partitions_merge_their_small_segments_and_merged_objects_are_colle
     run(go())
 
 
+def test_a_merge_takes_a_group_of_three_whole_or_not_at_all_within_the_transactions_room():
+    """Three one-record segments wait for a fourth record's compaction: the
+    group of three goes with it only when the transaction has room for all
+    three manifests (`most`); a group cut short by the room left would leave
+    segments of one size apart."""
+    async def go():
+        n = Node()
+        flusher, [lg] = await n.start(partitions=1)
+        for r in range(3):
+            await append(lg, batch(b"r%d" % r))
+            assert await share(n, flusher, [lg], seq=r + 1) == 1
+        assert [m.count for m in lg.segments] == [1, 1, 1], "a group needs three"
+        new = lg.segments[-1].size  # what one more record's slice holds
+        assert lg.to_merge(new, 1 << 20, 2) == []
+        assert lg.to_merge(new, 1 << 20, 3) == lg.segments
+        await flusher.stop()
+
+    run(go())
+
+
 def test_compaction_counts_the_slices_and_merged_segments_it_rewrote():
     """kafscale_compacted_bytes: each compaction adds the bytes of the slices
     it took and of the compacted segments it merged (those it replaced besides
