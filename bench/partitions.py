@@ -297,7 +297,7 @@ class Run:
     gets: float  # the compaction reading back slices the cache no longer held (no consumer reads)
     txns: float
     keys: float
-    db_mib: float
+    db_mib: tuple[float, float]  # etcd's DB size before and after the run (one etcd for every run of the bench)
     lat: list[float]
     cpu: float  # cores, all the broker's processes
     cpu_of: dict[str, float]  # cores of the log process, the workers, SeaweedFS and etcd
@@ -512,7 +512,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
         proc.wait(120)
     return Run(mode, rnd, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"] - len(probe.puts),
                end["gets"] - start["gets"], end["txns"] - start["txns"] - len(probe.txns), end["keys"] - start["keys"],
-               end["db"] / (1 << 20),
+               (start["db"] / (1 << 20), end["db"] / (1 << 20)),
                lat, cpu.cores["broker"], {k: cpu.cores[k] for k in ("log process", "workers", "SeaweedFS", "etcd")},
                cpu.cores["bench client"], machine, peak, idle, open_s, broker_ms, etcd_ms,
                requests, compacted, rewrote, pct(probe.puts, 0.99), pct(probe.txns, 0.99), reference)
@@ -548,7 +548,7 @@ def report(runs: list[Run], idle_bound: float) -> None:
             of = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_of.items())
             print(f"       CPU cores: broker {r.cpu:.2f} ({of}), the producer {r.client_cpu:.2f}, the whole machine "
                   f"{r.machine_cpu:.2f} of {os.cpu_count()}; the machine's reference work {r.reference_ms:.0f} ms")
-            print(f"       in etcd: p99/max ms: {disk}")
+            print(f"       in etcd: p99/max ms: {disk}; its DB {r.db_mib[0]:.1f} -> {r.db_mib[1]:.1f} MiB")
             print(f"       storage during the load (the probe): S3 PUT p99 {r.probe_put_p99 * 1000:.1f} ms, etcd "
                   f"transaction p99 {r.probe_txn_p99 * 1000:.1f} ms; bound {r.bound * 1000:.1f} ms, ack p99 / bound "
                   f"{pct(r.lat, 0.99) / r.bound:.2f}" if r.lat else "")
