@@ -97,6 +97,10 @@ class Config:
     lease_ttl_s: int = _opt(6, "etcd lease TTL: a dead broker's partitions move after about this long")
     balance_interval_ms: int = _opt(2000, "how often a broker re-reads membership and hands partitions over")
     retention_check_ms: int = _opt(60_000, "how often partitions are checked against retention.ms/bytes")
+    etcd_compaction_ms: int = _opt(300_000, "how often one broker of the cluster compacts etcd's history up to "
+                                   "the revision it saw at its previous pass (etcd keeps every version of "
+                                   "every key until then, and refuses writes at its quota); 0: never, for an "
+                                   "etcd that compacts itself (--auto-compaction-retention)")
     group_initial_rebalance_delay_ms: int = _opt(500, "how long a new group waits for more members to join")
     validate_compressed: bool = _opt(True, "decompress compressed batches on produce to validate their records")
     max_uncompressed_batch_bytes: int = _opt(64 * 1024 * 1024, "largest a compressed batch may decompress to on "

@@ -61,6 +61,8 @@ class Broker:
                        asyncio.create_task(self.partitions.retention_loop(), name="retention"),
                        asyncio.create_task(self.partitions.collection_loop(), name="node object collection"),
                        asyncio.create_task(self._balance_loop(), name="balancer")]
+        if self.cfg.etcd_compaction_ms > 0:
+            self._tasks.append(asyncio.create_task(self._history_loop(), name="etcd history compaction"))
         if self.partitions.flusher is not None:
             self._tasks.append(asyncio.create_task(self.partitions.compaction_loop(), name="compaction"))
         if self.access.enabled:
@@ -89,6 +91,28 @@ class Broker:
                 await self.groups.evict(lambda g: self.cluster.coordinator_for(g) != self.cfg.node_id)
             except Exception as exc:
                 log.warning("balancing pass failed: %r", exc)
+
+    async def _history_loop(self) -> None:
+        """Compact etcd's history every etcd_compaction_ms, on the broker that
+        collects node objects, up to the revision it saw the pass before: etcd
+        keeps every version of every key until its history is compacted, and
+        every node object's directory is put and later deleted, so at 1,000
+        partitions and 2,000 records/s its database grew by about 0.5 MiB a
+        second and would reach etcd's default quota of 2 GiB, past which it
+        refuses every write, within about an hour. At least one interval of
+        history stays, far longer than a scan or a watch's reconnect takes."""
+        seen = 0
+        while True:
+            await asyncio.sleep(self.cfg.etcd_compaction_ms / 1000)
+            try:
+                if not self.cluster.collects():
+                    seen = 0
+                    continue
+                if seen:
+                    await self.meta.compact_history(seen)
+                seen = await self.meta.revision()
+            except Exception as exc:
+                log.warning("compacting etcd's history failed: %r", exc)
 
     async def lease_lost(self, new_lease: Any) -> None:
         """Our lease expired (we were paused or cut off): drop every partition and group."""

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aetcd.exceptions import InvalidArgumentError
+from aetcd.exceptions import ClientError, InvalidArgumentError
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 
@@ -129,6 +129,7 @@ class MemoryEtcd:
         self.clock = clock
         self.transactions = _Transactions()
         self.revision = 1
+        self.compacted = 0  # the revision the history was last compacted at (the twin keeps none)
         self.txns = 0  # transactions applied (successful or not), like etcd's txn counter
         self._data: dict[bytes, KeyValue] = {}
         self._leases: dict[int, float] = {}  # id -> deadline on clock
@@ -163,13 +164,26 @@ class MemoryEtcd:
     async def range_page(self, start: bytes, end: bytes, limit: int, revision: int,
                          keys_only: bool) -> tuple[list[KeyValue], bool, int]:
         """Pages are read from the current state: the twin keeps no history, so
-        the revision is reported but not honoured (MetaStore only passes it back)."""
+        the revision is reported but not honoured (MetaStore only passes it back),
+        except that one compacted away is refused, as etcd does."""
         self._check()
+        if 0 < revision < self.compacted:
+            raise ClientError("etcdserver: mvcc: required revision has been compacted")
         keys = sorted(k for k in self._data if start <= k < end)
         page = [self._data[k] for k in keys[:limit]]
         if keys_only:
             page = [KeyValue(kv.key, b"", kv.version, kv.lease) for kv in page]
         return page, len(keys) > limit, revision or self.revision
+
+    async def compact(self, revision: int, physical: bool = False) -> None:
+        """etcd's answers to a compaction: an error for a revision compacted
+        already or not reached yet (there is no history to drop)."""
+        self._check()
+        if revision <= self.compacted:
+            raise ClientError("etcdserver: mvcc: required revision has been compacted")
+        if revision > self.revision:
+            raise ClientError("etcdserver: mvcc: required revision is a future revision")
+        self.compacted = revision
 
     # ---------------------------------------------------------------- writes
     async def put(self, key: bytes, value: bytes, lease: Any = None) -> None:

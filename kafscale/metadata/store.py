@@ -478,6 +478,21 @@ class MetaStore:
         tx = self.client.transactions
         await self._write_all([tx.delete(k) for k in keys])
 
+    async def revision(self) -> int:
+        """etcd's current revision."""
+        key = self.k("")
+        return (await self.client.range_page(key, key + b"\0", 1, 0, True))[2]
+
+    async def compact_history(self, revision: int) -> None:
+        """Drop the versions of keys that were replaced or deleted before
+        revision (etcd's compaction: the whole etcd, not one namespace). Done
+        already, by another cluster's broker or etcd itself, is done."""
+        try:
+            await self.client.compact(revision)
+        except aetcd.exceptions.ClientError as exc:
+            if "required revision has been compacted" not in str(exc):
+                raise
+
     async def set_draining(self, broker_id: int, draining: bool) -> None:
         if draining:
             await self.client.put(self.k("draining", broker_id), b"1")

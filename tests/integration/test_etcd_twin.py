@@ -1,12 +1,13 @@
 """The in-memory etcd twin the unit tests use honours MetaStore's contract as
 the real etcd does: the same calls, run against both, give the same answers
 (fenced compares, first-claim creation, paging past one reply, lease expiry,
-watches)."""
+watches, compacting the history)."""
 from __future__ import annotations
 
 import asyncio
 import uuid
 
+import aetcd
 import pytest
 
 from kafscale.metadata.memory import MemoryEtcd
@@ -64,6 +65,14 @@ async def contract(meta: MetaStore, expire) -> None:
     assert sorted(v for k, v in await meta.wal_directories() if k in big) == sorted(
         b"%d:" % seq + b"d" * 150_000 for seq in range(1, 41))
     assert len(await meta.wal_directories_of(big)) == 40
+    history = await meta.revision()
+    await meta.compact_history(history)
+    await meta.compact_history(history)  # compacted already (by another cluster's broker or etcd itself): done
+    with pytest.raises(aetcd.exceptions.ClientError, match="compacted"):
+        await meta.client.range_page(b"a", b"b", 1, history - 1, True)
+    with pytest.raises(aetcd.exceptions.ClientError, match="future revision"):
+        await meta.compact_history(history + 1_000_000)
+    assert await meta.revision() == history, "compacting is no write"
     await expire(lease)
     assert (topic, 1) not in await meta.owners() and 7 not in [b for b, _, _ in await meta.list_brokers()]
     await meta.delete_topic(topic)

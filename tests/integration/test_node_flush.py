@@ -15,6 +15,7 @@ from confluent_kafka.admin import AdminClient
 
 from kafscale import _native, faults
 from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY
+from kafscale.metadata.etcd_client import EtcdClient
 from kafscale.metadata.store import MetaStore
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.scan import StoreOptions, plan, read_slice
@@ -237,6 +238,42 @@ def test_slow_partitions_merge_their_small_segments_so_keys_do_not_grow_with_tim
         live = {json.loads(m)["key"] for m in wal_directories(stack, b.cluster, f"segments/{topic_name}")}
         return {json.loads(d)["key"] for d in wal_directories(stack, b.cluster, "shared")} == live
     wait_for(only_live_objects_named, 30, "the merged shared objects to be forgotten")
+
+
+def test_etcd_history_is_compacted_so_node_object_directories_do_not_fill_etcd(make_broker, stack, topic_name):
+    """Every node object's directory is put into etcd and deleted again
+    once compacted; etcd keeps every version until its history is compacted,
+    and refuses every write once its database reaches its quota. The
+    collecting broker compacts the history every etcd_compaction_ms, up to the
+    revision of its previous pass: reads at a revision from before are
+    refused, and the broker goes on taking and serving records."""
+    async def read_at(revision: int) -> None:
+        host, port = stack.etcd_endpoint.split(":")
+        async with EtcdClient(host=host, port=int(port)) as c:
+            await c.range_page(b"a", b"b", 1, revision, True)
+
+    async def revision() -> int:
+        host, port = stack.etcd_endpoint.split(":")
+        async with EtcdClient(host=host, port=int(port)) as c:
+            return (await c.range_page(b"a", b"b", 1, 0, True))[2]
+
+    def compacted_past(rev: int) -> bool:
+        try:
+            asyncio.run(read_at(rev))
+        except aetcd.exceptions.ClientError as exc:
+            assert "compacted" in str(exc), exc
+            return True
+        return False
+
+    before = asyncio.run(revision())
+    b = make_broker(compaction_lag_ms=300, etcd_compaction_ms=1000)
+    partitions = 10
+    create_topic(b.bootstrap, topic_name, partitions=partitions)
+    acked = produce_confluent(b.bootstrap, topic_name, [(i % partitions, b"a%d" % i) for i in range(500)])
+    wait_for(lambda: compacted_past(before), 30, "etcd's history compacted")
+    acked.update(produce_confluent(b.bootstrap, topic_name, [(i % partitions, b"b%d" % i) for i in range(500)]))
+    served = consume_all(b.bootstrap, topic_name, partitions)
+    assert {v: (p, o) for p, recs in served.items() for o, v in recs} == acked
 
 
 def test_a_bucket_listing_reads_nothing_of_a_deleted_topic_of_the_same_name(make_broker, stack, topic_name):
