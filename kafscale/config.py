@@ -97,7 +97,7 @@ class Config:
     lease_ttl_s: int = _opt(6, "etcd lease TTL: a dead broker's partitions move after about this long")
     balance_interval_ms: int = _opt(2000, "how often a broker re-reads membership and hands partitions over")
     retention_check_ms: int = _opt(60_000, "how often partitions are checked against retention.ms/bytes")
-    etcd_compaction_ms: int = _opt(300_000, "how often one broker of the cluster compacts etcd's history up to "
+    etcd_compaction_ms: int = _opt(60_000, "how often one broker of the cluster compacts etcd's history up to "
                                    "the revision it saw at its previous pass (etcd keeps every version of "
                                    "every key until then, and refuses writes at its quota); 0: never, for an "
                                    "etcd that compacts itself (--auto-compaction-retention)")
