@@ -391,9 +391,9 @@ class PartitionLog(LogReader):
                 break
             fit = min(fit, most - len(taken))
             taken += group[:fit]
-            size += sum(m.size for m in group[:fit])
             if fit < len(group):
                 break
+            size = grown  # the whole group was taken
             end -= fit
         return taken[::-1]
 
