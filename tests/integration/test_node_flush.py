@@ -247,15 +247,11 @@ def test_etcd_history_is_compacted_so_node_object_directories_do_not_fill_etcd(m
     collecting broker compacts the history every etcd_compaction_ms, up to the
     revision of its previous pass: reads at a revision from before are
     refused, and the broker goes on taking and serving records."""
-    async def read_at(revision: int) -> None:
+    async def read_at(revision: int) -> int:
+        """Read at revision (0: the newest); the revision read."""
         host, port = stack.etcd_endpoint.split(":")
         async with EtcdClient(host=host, port=int(port)) as c:
-            await c.range_page(b"a", b"b", 1, revision, True)
-
-    async def revision() -> int:
-        host, port = stack.etcd_endpoint.split(":")
-        async with EtcdClient(host=host, port=int(port)) as c:
-            return (await c.range_page(b"a", b"b", 1, 0, True))[2]
+            return (await c.range_page(b"a", b"b", 1, revision, True))[2]
 
     def compacted_past(rev: int) -> bool:
         try:
@@ -265,7 +261,7 @@ def test_etcd_history_is_compacted_so_node_object_directories_do_not_fill_etcd(m
             return True
         return False
 
-    before = asyncio.run(revision())
+    before = asyncio.run(read_at(0))
     b = make_broker(compaction_lag_ms=300, etcd_compaction_ms=1000)
     partitions = 10
     create_topic(b.bootstrap, topic_name, partitions=partitions)
