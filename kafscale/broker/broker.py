@@ -97,7 +97,7 @@ class Broker:
         collects node objects, up to the revision it saw the pass before: etcd
         keeps every version of every key until its history is compacted, and
         every node object's directory is put and later deleted, so at 1,000
-        partitions and 2,000 records/s its database grew by about 0.5 MiB a
+        partitions and 2,000 records/s its database grew by about 0.6 MiB a
         second and would reach etcd's default quota of 2 GiB, past which it
         refuses every write, within about an hour. At least one interval of
         history stays, far longer than a scan or a watch's reconnect takes."""
