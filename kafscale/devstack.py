@@ -26,9 +26,19 @@ DEV_SECRET_KEY = "kafscale-dev-secret"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: their probe sockets are open together, so none
+    comes twice (one socket closed before the next is opened may hand out the
+    same port again: a broker of the tests was once given one port for Kafka
+    and its admin endpoint)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def port_is_free(port: int) -> bool:
