@@ -25,20 +25,22 @@ DEV_ACCESS_KEY = "kafscale"
 DEV_SECRET_KEY = "kafscale-dev-secret"
 
 
+# ports free_port has handed out in this process: it never hands one out twice
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports: their probe sockets are open together, so none
-    comes twice (one socket closed before the next is opened may hand out the
-    same port again: a broker of the tests was once given one port for Kafka
-    and its admin endpoint)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
+    """A port nothing listens on and that this process was not given before.
+    The kernel may offer a port again once its probe socket is closed, so two
+    calls could return the same port: a test broker was once given one port for
+    Kafka and for its admin endpoint."""
+    while True:
+        with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def port_is_free(port: int) -> bool:
@@ -143,9 +145,8 @@ class DevStack:
         return self
 
     def _pick_port(self) -> int:
-        """A free port that is not reserved and that no other server of the stack
-        has (free_port may return a port again once its probe socket closed: one
-        of SeaweedFS's ports was once the Kafka port kafscale dev was given)."""
+        """A free port other than those given to the stack by its caller (the
+        Kafka port of kafscale dev among them), which free_port does not know."""
         while (port := free_port()) in self.reserved:
             continue
         self.reserved.add(port)

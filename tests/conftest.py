@@ -21,7 +21,7 @@ import pytest
 # codec refuses unknown keys and dropped error codes instead of losing them.
 os.environ["KAFSCALE_STRICT_CODEC"] = "1"
 
-from kafscale.devstack import DevStack, free_ports
+from kafscale.devstack import DevStack, free_port
 
 
 @pytest.fixture(scope="session")
@@ -41,10 +41,10 @@ class BrokerProcess:
                  **config: object) -> None:
         self.command = command
         self.stack = stack
-        self.port, admin = free_ports(2)
+        self.port = free_port()
         self.cluster = cluster
         # every broker serves /readyz: it is up once that says so (see _ready)
-        self.config = {"admin_listen": f"127.0.0.1:{admin}", **config} if command == "broker" else config
+        self.config = {"admin_listen": f"127.0.0.1:{free_port()}", **config} if command == "broker" else config
         self.logfile = logdir / f"{command}-{cluster}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -11,14 +11,15 @@ import time
 
 import pytest
 
-from kafscale.devstack import free_port, free_ports
+from kafscale.devstack import free_port
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 
 
-def start_dev(data_dir, port: int, etcd_port: int, s3_port: int, admin_port: int, log) -> subprocess.Popen:
+def start_dev(data_dir, port: int, etcd_port: int, s3_port: int, log, admin_port: int | None = None
+              ) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", "dev", "--data-dir", str(data_dir),
                              "--port", str(port), "--etcd-port", str(etcd_port), "--s3-port", str(s3_port),
-                             "--admin-listen", f"127.0.0.1:{admin_port}"],
+                             "--admin-listen", f"127.0.0.1:{admin_port or free_port()}"],
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -36,7 +37,7 @@ def ctrl_c(proc: subprocess.Popen) -> int:
 
 
 def test_dev_keeps_data_across_restarts(tmp_path):
-    ports = free_ports(4)  # Kafka, etcd, S3, admin
+    ports = (free_port(), free_port(), free_port())
     bootstrap = f"127.0.0.1:{ports[0]}"
     with open(tmp_path / "dev.log", "ab") as log:
         proc = start_dev(tmp_path / "data", *ports, log)
@@ -44,7 +45,7 @@ def test_dev_keeps_data_across_restarts(tmp_path):
         sent = [Rec(f"k{i}".encode(), f"v{i}".encode()) for i in range(50)]
         assert confluent_produce(bootstrap, "persisted", sent, "snappy") == list(range(50))
         assert ctrl_c(proc) == 0
-        for port in ports[:3]:  # Ctrl-C stopped all three servers
+        for port in ports:  # Ctrl-C stopped all three servers
             with socket.socket() as s:
                 assert s.connect_ex(("127.0.0.1", port)) != 0
         proc = start_dev(tmp_path / "data", *ports, log)
@@ -97,10 +98,11 @@ def test_dev_is_ready_for_a_first_try(tmp_path):
     non-zero exit, not a traceback."""
     import urllib.request
 
-    ports = free_ports(4)  # Kafka, etcd, S3, admin
-    admin, bootstrap = ports[3], f"127.0.0.1:{ports[0]}"
+    ports = (free_port(), free_port(), free_port())
+    admin = free_port()
+    bootstrap = f"127.0.0.1:{ports[0]}"
     with open(tmp_path / "dev.log", "ab") as log:
-        proc = start_dev(tmp_path / "data", *ports, log)
+        proc = start_dev(tmp_path / "data", *ports, log, admin_port=admin)
     try:
         assert f"console=http://127.0.0.1:{admin}/" in (tmp_path / "dev.log").read_text()
         assert confluent_produce(bootstrap, "never-created", [Rec(b"k", b"v")]) == [0]  # auto-created

@@ -13,7 +13,7 @@ import pytest
 from confluent_kafka import Producer
 
 from kafscale import _native
-from kafscale.devstack import free_port, free_ports
+from kafscale.devstack import free_port
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.schemas import METADATA, OFFSET_COMMIT
 from kafscale.records import decode_records
@@ -248,7 +248,7 @@ def test_etcd_over_tls(stack, certs, tmp_path, topic_name):
     import subprocess
 
     from kafscale.devstack import etcd_binary, port_is_free
-    port, peer = free_ports(2)
+    port, peer = free_port(), free_port()
     etcd = subprocess.Popen([etcd_binary(), "--name", "tls", "--data-dir", str(tmp_path / "etcd"),
                              "--listen-client-urls", f"https://127.0.0.1:{port}",
                              "--advertise-client-urls", f"https://127.0.0.1:{port}",
