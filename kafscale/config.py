@@ -83,10 +83,10 @@ class Config:
                                   "authentication: 512 KiB)")
     queued_max_request_bytes: int = _opt(256 * 1024 * 1024, "request bytes a protocol worker (or the proxy) "
                                          "holds at once across its connections; reading waits beyond it")
-    max_in_flight_requests: int = _opt(5000, "requests of one connection read and not yet answered; beyond it "
+    max_in_flight_requests: int = _opt(1000, "requests of one connection read and not yet answered; beyond it "
                                        "the connection is not read (librdkafka sends one produce request per "
                                        "partition batch and pipelines them: keep it above produce requests/s x "
-                                       "ack latency)")
+                                       "ack latency; every request read waits ahead of other clients' ones)")
     request_read_timeout_s: int = _opt(30, "a request frame must arrive whole within this many seconds of its "
                                        "size prefix, or the connection is closed")
     response_write_timeout_s: int = _opt(60, "a client that takes no bytes of a response for this many seconds "
