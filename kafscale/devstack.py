@@ -7,6 +7,7 @@ import ctypes
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,16 +28,33 @@ DEV_SECRET_KEY = "kafscale-dev-secret"
 
 # ports free_port has handed out in this process: it never hands one out twice
 _handed_out: set[int] = set()
+PICKED_FROM = 10_000  # free_port's lowest port
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel gives outgoing connections (Linux's
+    ip_local_port_range; 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def free_port() -> int:
-    """A port nothing listens on and that this process was not given before.
-    The kernel may offer a port again once its probe socket is closed, so two
-    calls could return the same port: a test broker was once given one port for
-    Kafka and for its admin endpoint."""
+    """A port nothing listens on, that this process was not given before and
+    that no outgoing connection will take: picked below the kernel's
+    ephemeral range where it can be. The kernel's own choice (bind to port 0)
+    comes from that range, so a port picked that way some time before its
+    server starts may meanwhile become a client connection's local port, and
+    the kernel may offer it again once its probe socket is closed: a test
+    broker was once given one port for Kafka and for its admin endpoint."""
+    low = _ephemeral_low()
     while True:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", random.randrange(PICKED_FROM, low) if low > PICKED_FROM + 1000 else 0))
+            except OSError:  # taken
+                continue
             port = s.getsockname()[1]
         if port not in _handed_out:
             _handed_out.add(port)
