@@ -14,7 +14,11 @@ of its own: acks=all, linger 5 ms, 1 KiB records, partitions in turn) offers
 over one connection: at 20,000 records/s over 1,000 partitions about 16,000
 a second, some 1,600 of them in flight at 100 ms each. Printed per cap and
 round: the probe's p50/p99 alone and under the flood (its p99 also as a
-ratio to alone), and the flood's acknowledged share and ack p99.
+ratio to alone), the flood's acknowledged share and ack p99, and, from the
+broker's own /metrics over the probe's time under the flood (both clients'
+requests together), where an acknowledgement waits: Produce requests in the
+worker, node object PUTs, etcd commits and the log process's event-loop lag
+(p50/p99/max, each the upper bound of its histogram bucket).
 
     python -m bench.fairness [--caps 1000,5000] [--partitions 1000] [--rate 20000] [--seconds 20] [--rounds 2]
 """
@@ -31,8 +35,8 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.e2e import latencies, pct, stack_dirs, start_broker
-from bench.partitions import offer, open_all, reference_ms
-from kafscale.devstack import DevStack
+from bench.partitions import BROKER_HISTOGRAMS, histogram_buckets, offer, open_all, reference_ms, stage_ms
+from kafscale.devstack import DevStack, free_port
 
 PROBE_GAP_S = 0.02
 RAMP_S = 3.0  # the flood runs this long before the probe starts, and the probe stops this long before it ends
@@ -47,11 +51,14 @@ def _flood(bootstrap: str, topic: str, partitions: int, rate: int, seconds: floa
 def one_cap(stack: DevStack, logdir: Path, cap: int, partitions: int, rate: int, seconds: float) -> str:
     cluster = f"fair{cap}{uuid.uuid4().hex[:4]}"
     reference = reference_ms()
-    proc, bootstrap = start_broker(stack, logdir, cluster, workers="1", max_in_flight_requests=str(cap))
+    admin = f"127.0.0.1:{free_port()}"
+    proc, bootstrap = start_broker(stack, logdir, cluster, workers="1", max_in_flight_requests=str(cap),
+                                   admin_listen=admin)
+    metrics = f"http://{admin}/metrics"
     try:
-        admin = AdminClient({"bootstrap.servers": bootstrap})
+        client = AdminClient({"bootstrap.servers": bootstrap})
         for topic, n in (("flood", partitions), ("probe", 1)):
-            admin.create_topics([NewTopic(topic, n, 1)])[topic].result(60)
+            client.create_topics([NewTopic(topic, n, 1)])[topic].result(60)
         open_all(bootstrap, "flood", partitions)
         probes = int((seconds - 2 * RAMP_S) / PROBE_GAP_S)
         alone = latencies(bootstrap, "probe", probes, PROBE_GAP_S)
@@ -61,7 +68,9 @@ def one_cap(stack: DevStack, logdir: Path, cap: int, partitions: int, rate: int,
         flood.start()
         try:
             time.sleep(STARTUP_S + RAMP_S)
+            before = histogram_buckets(metrics, BROKER_HISTOGRAMS)
             flooded = latencies(bootstrap, "probe", probes, PROBE_GAP_S)
+            stages = stage_ms(before, histogram_buckets(metrics, BROKER_HISTOGRAMS))
             offered, acked, flood_p99 = out.get(timeout=seconds + 300)
         finally:
             flood.join(60)
@@ -71,7 +80,9 @@ def one_cap(stack: DevStack, logdir: Path, cap: int, partitions: int, rate: int,
     a99, f99 = pct(alone, 0.99), pct(flooded, 0.99)
     return (f"cap {cap:>6}: probe alone p50 {pct(alone, 0.5) * 1000:6.1f} ms p99 {a99 * 1000:6.1f} ms; "
             f"under the flood p50 {pct(flooded, 0.5) * 1000:6.1f} ms p99 {f99 * 1000:7.1f} ms ({f99 / a99:5.2f}x); "
-            f"flood {acked}/{offered} acked, p99 {flood_p99 * 1000:7.1f} ms; reference work {reference:.0f} ms")
+            f"flood {acked}/{offered} acked, p99 {flood_p99 * 1000:7.1f} ms; reference work {reference:.0f} ms\n"
+            "            in the broker under the flood, p50/p99/max ms: "
+            + ", ".join(f"{col} {p50:g}/{p99:g}/{top:g}" for col, (p50, p99, top) in stages.items()))
 
 
 def main() -> None:
