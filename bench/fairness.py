@@ -35,7 +35,7 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.e2e import latencies, pct, stack_dirs, start_broker
-from bench.partitions import BROKER_HISTOGRAMS, histogram_buckets, offer, open_all, reference_ms, stage_ms
+from bench.partitions import BROKER_HISTOGRAMS, histogram_buckets, offer, open_all, reference_ms, stage_ms, stages_text
 from kafscale.devstack import DevStack, free_port
 
 PROBE_GAP_S = 0.02
@@ -62,9 +62,9 @@ def one_cap(stack: DevStack, logdir: Path, cap: int, partitions: int, rate: int,
         open_all(bootstrap, "flood", partitions)
         probes = int((seconds - 2 * RAMP_S) / PROBE_GAP_S)
         alone = latencies(bootstrap, "probe", probes, PROBE_GAP_S)
-        out: mp.Queue = mp.get_context("spawn").Queue()
-        flood = mp.get_context("spawn").Process(target=_flood, args=(bootstrap, "flood", partitions, rate, seconds,
-                                                                     out))
+        spawn = mp.get_context("spawn")  # a fresh process: no copy of this one's librdkafka client
+        out: mp.Queue = spawn.Queue()
+        flood = spawn.Process(target=_flood, args=(bootstrap, "flood", partitions, rate, seconds, out))
         flood.start()
         try:
             time.sleep(STARTUP_S + RAMP_S)
@@ -81,8 +81,7 @@ def one_cap(stack: DevStack, logdir: Path, cap: int, partitions: int, rate: int,
     return (f"cap {cap:>6}: probe alone p50 {pct(alone, 0.5) * 1000:6.1f} ms p99 {a99 * 1000:6.1f} ms; "
             f"under the flood p50 {pct(flooded, 0.5) * 1000:6.1f} ms p99 {f99 * 1000:7.1f} ms ({f99 / a99:5.2f}x); "
             f"flood {acked}/{offered} acked, p99 {flood_p99 * 1000:7.1f} ms; reference work {reference:.0f} ms\n"
-            "            in the broker under the flood, p50/p99/max ms: "
-            + ", ".join(f"{col} {p50:g}/{p99:g}/{top:g}" for col, (p50, p99, top) in stages.items()))
+            f"            in the broker under the flood, p50/p99/max ms: {stages_text(stages)}")
 
 
 def main() -> None:

@@ -283,6 +283,11 @@ def stage_ms(before: dict[str, dict[float, float]], after: dict[str, dict[float,
     return {col: (ms(col, 0.5), ms(col, 0.99), ms(col, 1.0)) for col in after}
 
 
+def stages_text(stages: dict[str, tuple[float, float, float]]) -> str:
+    """stage_ms's figures as "column p50/p99/max, ..."."""
+    return ", ".join(f"{col} {p50:g}/{p99:g}/{top:g}" for col, (p50, p99, top) in stages.items())
+
+
 @dataclass
 class Run:
     mode: str
@@ -537,9 +542,8 @@ def report(runs: list[Run], idle_bound: float) -> None:
                   f"{cell(p99, b99, '.1f'):>17} {cell(r.cpu, base.cpu, '.2f'):>12} "
                   f"{cell(r.peak_rss_mib, base.peak_rss_mib):>14} {r.keys:>11.0f} {r.idle_kib_per_partition:>10.1f} "
                   f"{r.open_s:>7.1f} {cell(r.compacted_s, base.compacted_s, '.1f'):>15}")
-            stages = ", ".join(f"{col} {p50:g}/{p99:g}/{top:g}" for col, (p50, p99, top) in r.broker_ms.items())
             print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s, {r.per_s('gets'):.0f} "
-                  f"S3 GETs/s; p50/p99/max ms: {stages}")
+                  f"S3 GETs/s; p50/p99/max ms: {stages_text(r.broker_ms)}")
             if r.rewrote["slices"]:
                 print(f"       compaction rewrote {r.rewrote['slices'] / (1 << 20):.1f} MiB of slices and "
                       f"{r.rewrote['merged'] / (1 << 20):.1f} MiB of merged segments: write amplification "
