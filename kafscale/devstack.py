@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -31,9 +32,10 @@ _handed_out: set[int] = set()
 PICKED_FROM = 10_000  # free_port's lowest port
 
 
+@functools.cache
 def _ephemeral_low() -> int:
     """The first port the kernel gives outgoing connections (Linux's
-    ip_local_port_range; 32768 by default)."""
+    ip_local_port_range; 32768 by default), read once."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
