@@ -65,8 +65,9 @@ class Config:
     flush_bytes: int = _opt(8 * 1024 * 1024, "node flush: a node object is written once this much is queued "
                             "(else after linger_ms)")
     compaction_lag_ms: int = _opt(10_000, "node flush: a partition's node object slices are compacted into a "
-                                  "segment once the oldest is this old (or they reach segment.bytes); sooner "
-                                  "while the segment cache keeps slices for less than three times this")
+                                  "segment once the oldest is this old (or they reach segment.bytes); three "
+                                  "times this while they hold less than 64 KiB; sooner while the segment cache "
+                                  "keeps slices for less than three times either")
     shared_compaction: bool = _opt(True, "node flush: small partitions due together are compacted into one "
                                    "shared object (one PUT and one etcd transaction for up to 42), merging "
                                    "their small segments, instead of one .kfs each")

@@ -51,6 +51,9 @@ COMPACTION_CHECK_S = 1.0  # how often open partitions are checked for slices due
 # compaction starts before a slice has been in the cache this share of the time the cache keeps it (it may wait
 # up to half as long again to start, and reads its slices when it does)
 COMPACTION_CACHE_SHARE = 1 / 3
+# a partition whose slices stay small (SMALL_SLICES_BYTES) is compacted this many lags after its oldest: at
+# 10,000 partitions every one of them is small and costs a compaction each lag (bench/README.md, session 55)
+SMALL_LAG_FACTOR = 3
 COMPACTION_MEMORY_SEGMENTS = 2  # compactions under way hold at most this many segment.bytes (slices read + built)
 # compactions under way at once: compacting a hundred at once queued two hundred PUTs ahead of the node flushes'
 # (producers waited for seconds)
@@ -478,9 +481,9 @@ class PartitionRegistry:
         400 ms every compaction_lag_ms (100 partitions). Of the partitions
         started together, those whose segments stay small share objects
         (kafscale.storage.shared): one PUT and one transaction for up to
-        SHARED_PARTITIONS of them. The lag is shorter while the cache keeps
-        slices for less than three times the configured one (the method
-        compaction_lag_ms)."""
+        SHARED_PARTITIONS of them. A partition with few bytes of slices waits
+        longer, and the lag is shorter while the cache keeps slices for less
+        than three times the configured one (the method compaction_lags)."""
         limit = COMPACTION_MEMORY_SEGMENTS * self.cfg.segment_bytes
         free = [limit]
         freed = asyncio.Condition()
@@ -516,12 +519,12 @@ class PartitionRegistry:
 
         try:
             while True:
-                now_ms, lag_ms = int(time.time() * 1000), self.compaction_lag_ms()
+                now_ms, (lag_ms, small_lag_ms) = int(time.time() * 1000), self.compaction_lags()
                 spread = max(lag_ms / 2000 / COMPACTION_CHECK_S, 1)  # checks to start the due ones in
                 due = []
                 async for logs in in_turns(list(self.logs.values())):
                     due += [lg for lg in logs
-                            if lg not in running and not lg.closed and lg.compaction_due(now_ms, lag_ms)]
+                            if lg not in running and not lg.closed and lg.compaction_due(now_ms, lag_ms, small_lag_ms)]
                 due.sort(key=PartitionLog.oldest_slice_ms)
                 if not due:
                     await asyncio.sleep(COMPACTION_CHECK_S)
@@ -542,15 +545,19 @@ class PartitionRegistry:
             if running:
                 await asyncio.wait(set(running.values()))
 
-    def compaction_lag_ms(self) -> int:
+    def compaction_lags(self) -> tuple[int, int]:
         """How old slices are compacted: compaction_lag_ms, or sooner while the
         cache keeps them for less than 1 / COMPACTION_CACHE_SHARE times that
-        (at least a check apart). Compaction then reads its slices from
-        memory: at 20,000 records/s over 100 partitions, 256 MiB held about
-        6 s of slices and compacted segments, and compaction read each slice
-        back with a GET of its own (61,401 GETs against 1,113 PUTs)."""
+        (at least a check apart); and how old a partition's slices of fewer
+        than SMALL_SLICES_BYTES are compacted: SMALL_LAG_FACTOR times
+        compaction_lag_ms, as long as the cache keeps them (at least the
+        first). Compaction then reads its slices from memory: at 20,000
+        records/s over 100 partitions, 256 MiB held about 6 s of slices and
+        compacted segments, and compaction read each slice back with a GET
+        of its own (61,401 GETs against 1,113 PUTs)."""
         keeps_ms = self.cache.keeps_s() * 1000 * COMPACTION_CACHE_SHARE
-        return int(min(self.cfg.compaction_lag_ms, max(keeps_ms, COMPACTION_CHECK_S * 1000)))
+        lag = int(min(self.cfg.compaction_lag_ms, max(keeps_ms, COMPACTION_CHECK_S * 1000)))
+        return lag, int(max(lag, min(SMALL_LAG_FACTOR * self.cfg.compaction_lag_ms, keeps_ms)))
 
     async def collection_loop(self) -> None:
         """Every half compaction_lag_ms, forget the node objects whose slices are

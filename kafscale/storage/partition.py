@@ -59,6 +59,9 @@ COMPACTION_TURN = 64  # slices a compaction gathers before it lets other work ru
 # hundreds one GET after another and fell further behind (4 compactions at once: half the store's threads)
 COMPACTION_READS_AT_ONCE = 2
 MERGE_FAN_IN = 4  # a merge of small segments joins this many of a size: the new one and the k - 1 before it
+# committed slices of fewer bytes than this wait for the small lag (compaction_due): a compaction costs a
+# partition key update, a segment key and its share of a PUT whatever it holds
+SMALL_SLICES_BYTES = 64 << 10
 
 
 # how many of a producer's last batches are remembered for the duplicate check (Kafka: 5)
@@ -337,11 +340,15 @@ class PartitionLog(LogReader):
         """The committed node object slices, oldest first."""
         return self.segments[len(self.segments) - self._slice_count:]
 
-    def compaction_due(self, now_ms: int, lag_ms: int) -> bool:
+    def compaction_due(self, now_ms: int, lag_ms: int, small_lag_ms: int) -> bool:
         """Whether the committed slices should be compacted now: their oldest is
-        lag_ms old, or they hold segment.bytes."""
-        return self._slice_count > 0 and (self.oldest_slice_ms() <= now_ms - lag_ms
-                                          or self._slice_bytes >= self.segment_bytes)
+        lag_ms old and they hold SMALL_SLICES_BYTES, or it is small_lag_ms old
+        (>= lag_ms), or they hold segment.bytes."""
+        if not self._slice_count:
+            return False
+        age = now_ms - self.oldest_slice_ms()
+        n = self._slice_bytes
+        return age >= small_lag_ms or n >= self.segment_bytes or (age >= lag_ms and n >= SMALL_SLICES_BYTES)
 
     def oldest_slice_ms(self) -> int:
         """When the oldest committed slice was created (0 with none)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from types import SimpleNamespace
 
@@ -563,10 +564,10 @@ def test_the_slices_counted_are_always_the_tail_of_the_segments():
             await append(lg, batch(b"a%d" % i))
         assert counted(lg) == walked(lg) and lg._slice_count == 3
         lag = n.cfg.compaction_lag_ms
-        assert lg.compaction_due(lg.oldest_slice_ms() + lag, lag)
-        assert not lg.compaction_due(lg.oldest_slice_ms() + lag - 1, lag)
+        assert lg.compaction_due(lg.oldest_slice_ms() + lag, lag, lag)
+        assert not lg.compaction_due(lg.oldest_slice_ms() + lag - 1, lag, lag)
         await lg.compact()
-        assert counted(lg) == walked(lg) == (0, 0, 0) and not lg.compaction_due(2**62, lag)
+        assert counted(lg) == walked(lg) == (0, 0, 0) and not lg.compaction_due(2**62, lag, lag)
         for i in range(2):
             await append(lg, batch(b"b%d" % i))
         assert counted(lg) == walked(lg) and lg._slice_count == 2
@@ -579,6 +580,35 @@ def test_the_slices_counted_are_always_the_tail_of_the_segments():
         assert counted(again) == walked(again) and again._slice_count >= 1
         await again.close()
         await flusher.stop()
+
+    run(go())
+
+
+def test_a_partition_with_few_bytes_of_slices_waits_the_small_lag():
+    """Slices of fewer than SMALL_SLICES_BYTES are due once the oldest is
+    small_lag_ms old, more once it is lag_ms old; the registry's small lag
+    is SMALL_LAG_FACTOR configured lags while the cache keeps slices that
+    long, shorter while it does not, and never shorter than the lag."""
+    from kafscale.broker.partitions import COMPACTION_CACHE_SHARE, SMALL_LAG_FACTOR
+    from kafscale.storage.partition import SMALL_SLICES_BYTES
+
+    async def go():
+        n = Node()
+        reg = await n.topic_registry(1, compaction_lag_ms=2000)
+        lg = await reg.partition_log(TOPIC, 0)
+        await append(lg, batch(b"x"))
+        t0 = lg.oldest_slice_ms()
+        assert not lg.compaction_due(t0 + 999, 1000, 3000) and not lg.compaction_due(t0 + 2999, 1000, 3000)
+        assert lg.compaction_due(t0 + 3000, 1000, 3000)
+        await append(lg, batch(b"y" * SMALL_SLICES_BYTES))
+        assert not lg.compaction_due(t0 + 999, 1000, 3000) and lg.compaction_due(t0 + 1000, 1000, 3000)
+
+        assert reg.cache.keeps == math.inf and reg.compaction_lags() == (2000, SMALL_LAG_FACTOR * 2000)
+        reg.cache.keeps = 4 / COMPACTION_CACHE_SHARE  # compaction may wait 4 s for slices in the cache
+        assert reg.compaction_lags() == (2000, 4000)
+        reg.cache.keeps = 1.5 / COMPACTION_CACHE_SHARE
+        assert reg.compaction_lags() == (1500, 1500)
+        await reg.close(drain_s=1)
 
     run(go())
 
