@@ -139,7 +139,14 @@ async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None
     its slices of node objects (not compacted yet), both as KEY#POS: those of
     the topic id its marker names (none of a deleted topic of the same name)."""
     from kafscale.storage.segment import HEADER_SIZE, parse_header, parse_segment_key
-    from kafscale.storage.wal import marker_topic_id, node_prefix, of_topic, read_node_directory, shared_prefix
+    from kafscale.storage.wal import (
+        directory_slices,
+        marker_topic_id,
+        node_prefix,
+        of_topic,
+        read_node_directory,
+        shared_prefix,
+    )
 
     prefix = f"{cfg.namespace}/{topic}/" + ("" if partition is None else f"{partition}/")
     async with _store(cfg) as store:
@@ -155,10 +162,10 @@ async def _segments_ls(cfg: config_mod.Config, topic: str, partition: int | None
         topic_id = await marker_topic_id(store, cfg.namespace, topic)
         for root in (shared_prefix(cfg.namespace), node_prefix(cfg.namespace)):
             for obj in sorted(await store.list(root), key=lambda o: o["Key"]):
-                for s in (await read_node_directory(store, obj["Key"], int(obj["Size"])))["slices"]:
-                    if of_topic(s, topic, topic_id) and partition in (None, s["partition"]):
-                        print(f"{s['partition']:>9} {s['base']:>12} {s['count']:>8} {s['size']:>10}  "
-                              f"{obj['Key']}#{s['pos']}")
+                for s in directory_slices(await read_node_directory(store, obj["Key"], int(obj["Size"]))):
+                    _, _, p, base, _, count, pos, size, *_ = s
+                    if of_topic(s, topic, topic_id) and partition in (None, p):
+                        print(f"{p:>9} {base:>12} {count:>8} {size:>10}  {obj['Key']}#{pos}")
 
 
 def _show(b: bytes | None) -> str:
@@ -174,7 +181,7 @@ def _show(b: bytes | None) -> str:
 async def _segments_dump(cfg: config_mod.Config, key: str) -> None:
     """A .kfs segment's records; of a node object or shared segment object
     (.kfn), each slice's (KEY#POS: that slice only)."""
-    from kafscale.storage.wal import node_directory
+    from kafscale.storage.wal import directory_slices, node_directory
 
     key, _, pos = key.partition("#")
     async with _store(cfg) as store:
@@ -182,9 +189,9 @@ async def _segments_dump(cfg: config_mod.Config, key: str) -> None:
     if not key.endswith(".kfn"):
         _dump_segment(key, data)
         return
-    for s in node_directory(data)["slices"]:
-        if pos in ("", str(s["pos"])):
-            _dump_segment(f"{key}#{s['pos']} ({s['topic']}/{s['partition']})", data[s["pos"]:s["pos"] + s["size"]])
+    for topic, _, p, _, _, _, at, size, *_ in directory_slices(node_directory(data)):
+        if pos in ("", str(at)):
+            _dump_segment(f"{key}#{at} ({topic}/{p})", data[at:at + size])
 
 
 def _dump_segment(name: str, data: bytes) -> None:

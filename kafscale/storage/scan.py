@@ -36,6 +36,7 @@ from kafscale.storage.segment import (
 from kafscale.storage.wal import (
     by_partition,
     continuing,
+    directory_slices,
     marker_topic_id,
     of_topic,
     read_node_directory,
@@ -227,8 +228,10 @@ async def _shared_segments(store: ObjectStore, namespace: str, topic: str, topic
         dirs = await asyncio.gather(*(read_node_directory(store, o["Key"], int(o["Size"]))
                                       for o in objects[at:at + LISTING_READS]))
         for o, d in zip(objects[at:at + LISTING_READS], dirs, strict=True):
-            found.extend(Segment(s["partition"], o["Key"], s["base"], s["last"], s["size"], s["min_ts"], s["max_ts"],
-                                 s["pos"]) for s in d["slices"] if of_topic(s, topic, topic_id))
+            for s in directory_slices(d):
+                if of_topic(s, topic, topic_id):
+                    _, _, p, base, last, _, pos, size, min_ts, max_ts, _ = s
+                    found.append(Segment(p, o["Key"], base, last, size, min_ts, max_ts, pos))
     return found
 
 

@@ -54,7 +54,8 @@ MAX_UPLOADS = 4  # node objects uploading at once
 MAX_UNCOMMITTED = 8  # node objects built and not yet committed (bounds their memory); also the most one
 # transaction commits
 # directory bytes one transaction commits at most (one directory always goes): etcd refuses a request
-# over 1.5 MiB, and a directory of MAX_SLICES slices of a topic with a long name is 300 KB and more
+# over 1.5 MiB, and a directory of MAX_SLICES slices is about 70 KB (300 KB and more when each is of another
+# topic with a long name)
 COMMIT_BYTES = 1 << 20
 GRACE_S = 60.0  # a forgotten node object is deleted this long after (readers in flight finish)
 # objects in one DeleteObjects request of a collector pass; a pass's requests are spread over the time to the
@@ -99,24 +100,41 @@ _dumps = functools.partial(json.dumps, separators=(",", ":"))
 
 
 def directory(key: str, created_ms: int, slices: list[Slice], topic_ids: dict[str, bytes]) -> bytes:
-    """The node object's directory (JSON, also its etcd value); slice_manifests
-    reads it back. Each slice's entry names the partition, its topic id and
-    the manifest's fields. Written with one f-string per slice, not json.dumps
-    of a dict per slice: the same bytes at about half the cost (a node flush
-    at 1,000 partitions lists a thousand slices, and JSON encoding was a
-    twentieth of the log process)."""
-    heads: dict[str, str] = {}  # topic -> the start of its entries, escaped once
-    entries = []
+    """The node object's directory (JSON, also its etcd value; the layout is
+    in docs/segment-format.md): its topics once each, then a row per slice
+    naming its topic by place. directory_slices reads it back. A row is an
+    array, not an object with a key per field: an entry repeated its topic's
+    name and id and eleven field names, about 200 bytes a slice against 70,
+    and etcd's write-ahead log took every byte of it at every node commit
+    (bench/README.md, session 56). Written with an f-string per slice, not
+    json.dumps: the same bytes at about half the cost."""
+    places: dict[str, int] = {}
+    rows = []
     for s in slices:
         lg, m = s.log, s.manifest
-        head = heads.get(lg.topic)
-        if head is None:
-            head = heads[lg.topic] = (f'{{"topic":{_dumps(lg.topic)},"topic_id":"{topic_ids[lg.topic].hex()}",'
-                                      '"partition":')
-        entries.append(f'{head}{lg.partition},"base":{m.base},"last":{m.last},"count":{m.count},"pos":{m.pos},'
-                       f'"size":{m.size},"min_ts":{m.min_ts},"max_ts":{m.max_ts},'
-                       f'"producers":{_dumps(m.producers) if m.producers else "{}"}}}')
-    return f'{{"key":{_dumps(key)},"created_ms":{created_ms},"slices":[{",".join(entries)}]}}'.encode()
+        t = places.get(lg.topic)
+        if t is None:
+            t = places[lg.topic] = len(places)
+        rows.append(f'[{t},{lg.partition},{m.base},{m.last},{m.count},{m.pos},{m.size},{m.min_ts},{m.max_ts}'
+                    f'{"," + _dumps(m.producers) if m.producers else ""}]')
+    topics = ",".join(f'[{_dumps(t)},"{topic_ids[t].hex()}"]' for t in places)
+    return f'{{"key":{_dumps(key)},"created_ms":{created_ms},"topics":[{topics}],"slices":[{",".join(rows)}]}}'.encode()
+
+
+# A directory's slice: topic, topic id hex, partition, base, last, count, pos, size, min_ts, max_ts, producers
+DirectorySlice = tuple[str, str, int, int, int, int, int, int, int, int, dict[str, Any]]
+_ENTRY_FIELDS = ("topic", "topic_id", "partition", "base", "last", "count", "pos", "size", "min_ts", "max_ts",
+                 "producers")
+
+
+def directory_slices(d: dict[str, Any]) -> list[DirectorySlice]:
+    """A parsed directory's slices, in the order they are stored. Directories
+    written before rows (an object per slice, without "topics") are read too:
+    a broker upgraded while node objects are not compacted yet finds them."""
+    topics = d.get("topics")
+    if topics is None:
+        return [tuple(s[f] for f in _ENTRY_FIELDS) for s in d["slices"]]  # type: ignore[misc]
+    return [(*topics[r[0]], *r[1:9], r[9] if len(r) > 9 else {}) for r in d["slices"]]
 
 
 def layout_order(lg: PartitionLog) -> tuple[str, int]:
@@ -174,10 +192,10 @@ async def read_node_directory(store: ObjectStore, key: str, size: int) -> dict[s
 def slice_manifests(raw: bytes) -> tuple[str, list[tuple[str, str, int, SegmentManifest]]]:
     """A directory's object key and its slices as (topic, topic id hex, partition, manifest)."""
     d = json.loads(raw)
-    return d["key"], [(s["topic"], s["topic_id"], s["partition"],
-                       SegmentManifest(s["base"], s["last"], s["count"], s["size"], s["min_ts"], s["max_ts"],
-                                       d["key"], d["created_ms"], s["producers"], s["pos"]))
-                      for s in d["slices"]]
+    key, created = d["key"], d["created_ms"]
+    return key, [(topic, tid, p, SegmentManifest(base, last, count, size, min_ts, max_ts, key, created, producers,
+                                                 pos))
+                 for topic, tid, p, base, last, count, pos, size, min_ts, max_ts, producers in directory_slices(d)]
 
 
 def by_partition(directories: list[bytes]) -> dict[tuple[str, int], list[SegmentManifest]]:
@@ -205,10 +223,10 @@ async def marker_topic_id(store: ObjectStore, namespace: str, topic: str) -> str
     return str(json.loads(await store.get(marker))["id"])
 
 
-def of_topic(entry: dict[str, Any], topic: str, topic_id: str | None) -> bool:
-    """Whether a node or shared object's directory entry is of this topic
+def of_topic(s: DirectorySlice, topic: str, topic_id: str | None) -> bool:
+    """Whether a node or shared object's directory slice is of this topic
     (of its id too, where the marker names one)."""
-    return entry["topic"] == topic and topic_id in (None, entry["topic_id"])
+    return s[0] == topic and topic_id in (None, s[1])
 
 
 async def read_directories(meta: MetaStore, known: dict[bytes, T], parse: Callable[[bytes], T], area: str = "wal"
@@ -616,8 +634,8 @@ def summary_slices(s: Summary) -> Iterator[tuple[str, str, int, int, int]]:
 
 
 def _summary(raw: bytes, shared: bool) -> Summary:
-    key, slices = slice_manifests(raw)
-    return summary(key, shared, ((topic, tid, p, m.base, m.last) for topic, tid, p, m in slices))
+    d = json.loads(raw)
+    return summary(d["key"], shared, (s[:5] for s in directory_slices(d)))
 
 
 def merged_away(ranges: Iterable[tuple[int, int]]) -> set[tuple[int, int]]:

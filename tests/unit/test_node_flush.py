@@ -909,9 +909,10 @@ def test_a_topic_marker_names_the_topic_open_here_and_a_recreated_topic_keeps_it
 
 
 def test_a_directory_reads_back_as_the_slices_it_lists() -> None:
-    """A directory (written entry by entry, not by json.dumps) is JSON that
+    """A directory (written row by row, not by json.dumps) is JSON that
     reads back as exactly the slices it lists: topic names that need
-    escaping, idempotent producers, a slice with no timestamps."""
+    escaping, idempotent producers, a slice with no timestamps. A directory
+    written before rows, an object per slice, reads back the same."""
     topics = {"orders": b"\x01" * 16, 'we"ird\\name\u00e9': b"\x02" * 16}
     slices, expected = [], []
     for i in range(6):
@@ -924,3 +925,9 @@ def test_a_directory_reads_back_as_the_slices_it_lists() -> None:
     raw = wal.directory("ns/wal/1-f/000000000007", 1_700_000_001_000, slices, topics)
     assert json.loads(raw)["created_ms"] == 1_700_000_001_000
     assert wal.slice_manifests(raw) == ("ns/wal/1-f/000000000007", expected)
+    before_rows = json.dumps({"key": "ns/wal/1-f/000000000007", "created_ms": 1_700_000_001_000, "slices": [
+        {"topic": t, "topic_id": tid, "partition": p, "base": m.base, "last": m.last, "count": m.count,
+         "pos": m.pos, "size": m.size, "min_ts": m.min_ts, "max_ts": m.max_ts, "producers": m.producers}
+        for t, tid, p, m in expected]}).encode()
+    assert wal.slice_manifests(before_rows) == ("ns/wal/1-f/000000000007", expected)
+    assert len(raw) < len(before_rows) / 2
