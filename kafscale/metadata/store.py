@@ -193,9 +193,9 @@ SCAN_PAGE = 1000  # keys per etcd range read in MetaStore.scan
 SCAN_TURN = 100  # keys MetaStore.scan hands out before it lets other work run
 WAL_SCAN_PAGE = 50  # node object directories are larger: fewer per range read
 WAL_GETS = 32  # more new directories than this are read by a scan, not one get each
-# the largest etcd reply the client takes (gRPC's default, 4 MiB, is less than one page of node object
-# directories at 1,000 partitions: about 95 KB each, 50 a page; each directory was committed within
-# etcd's 1.5 MiB request limit, so a page is at most 75 MiB)
+# the largest etcd reply the client takes (gRPC's default, 4 MiB, was less than one page of node object
+# directories at 1,000 partitions before directories held rows: about 95 KB each, 50 a page; each
+# directory was committed within etcd's 1.5 MiB request limit, so a page is at most 75 MiB)
 ETCD_MAX_REPLY_BYTES = 256 << 20
 CAS_ATTEMPTS = 50  # a compare-and-swap that keeps losing to other writers gives up after this many tries
 
