@@ -112,9 +112,7 @@ def directory(key: str, created_ms: int, slices: list[Slice], topic_ids: dict[st
     rows = []
     for s in slices:
         lg, m = s.log, s.manifest
-        t = places.get(lg.topic)
-        if t is None:
-            t = places[lg.topic] = len(places)
+        t = places.setdefault(lg.topic, len(places))
         rows.append(f'[{t},{lg.partition},{m.base},{m.last},{m.count},{m.pos},{m.size},{m.min_ts},{m.max_ts}'
                     f'{"," + _dumps(m.producers) if m.producers else ""}]')
     topics = ",".join(f'[{_dumps(t)},"{topic_ids[t].hex()}"]' for t in places)
