@@ -464,11 +464,14 @@ class NodeFlusher:
             cached: list[tuple[str, int, int, bytes]] = []  # each slice's entry for the cache (put_object)
             ids: dict[str, bytes] = {}
             for (lg, items), (pos, size, base, last, count, min_ts, max_ts, tables) in zip(taken, built, strict=True):
-                m = SegmentManifest(base, last, count, size, min_ts, max_ts, key, created, lg.producers_of(items), pos)
+                m = SegmentManifest(base, last, count, size, min_ts, max_ts, key, created,
+                                    lg.producers_of(items) if lg.has_producers() else {}, pos)
                 slices.append(Slice(lg, m, items))
-                cached.append((m.ref, pos, size, tables))
+                cached.append((f"{key}#{pos}", pos, size, tables))  # m.ref
                 for p in items:
-                    p.done_with_payload()
+                    if p.release is not None:  # p.done_with_payload(), once a batch
+                        p.release()
+                        p.release = None
                 if lg.topic not in ids:
                     if (tid := self.topic_id(lg.topic)) is None:
                         raise Fenced(f"topic {lg.topic} was deleted")
