@@ -417,9 +417,19 @@ class PartitionLog(LogReader):
             end -= fit
         return taken[::-1]
 
-    def uncached_slices(self) -> list[SegmentManifest]:
-        """The slices the next compaction takes that the cache no longer holds (it reads them from S3)."""
-        return [m for m in self._to_compact() if not self.cache.holds(m.ref)]
+    def _compaction_parts(self, merge_limit: int, most_merged: int
+                          ) -> tuple[list[SegmentManifest], list[SegmentManifest]]:
+        """What the next compaction takes: the compacted segments it merges
+        (to_merge; none without merge_limit) and the committed slices."""
+        slices = self._to_compact()
+        merged = self.to_merge(sum(m.size for m in slices), merge_limit, most_merged) if merge_limit and slices else []
+        return merged, slices
+
+    def uncached(self, merge_limit: int = 0, most_merged: int = 0) -> list[SegmentManifest]:
+        """What the next compaction takes (compaction's arguments) that the cache
+        no longer holds, merged segments first: it reads them from S3."""
+        merged, slices = self._compaction_parts(merge_limit, most_merged)
+        return [m for m in merged + slices if not self.cache.holds(m.ref)]
 
     async def compaction(self, merge_limit: int = 0, most_merged: int = 0,
                          read_slice: Callable[[SegmentManifest], Awaitable[memoryview | None]] | None = None
@@ -430,10 +440,9 @@ class PartitionLog(LogReader):
         nothing to do. What the cache no longer holds is read from S3: through
         read_slice if it has it (a shared compaction reads its partitions'
         slices together), else with a GET each."""
-        slices = self._to_compact()
+        merged, slices = self._compaction_parts(merge_limit, most_merged)
         if not slices or self.closed:
             return None
-        merged = self.to_merge(sum(m.size for m in slices), merge_limit, most_merged) if merge_limit else []
         taken = merged + slices
         parts: list[tuple[bytes, int]] = [(b"", m.base) for m in taken]
 

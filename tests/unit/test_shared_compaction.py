@@ -393,6 +393,30 @@ def test_slices_the_cache_lost_are_read_back_one_get_a_node_object():
     run(go())
 
 
+def test_merged_segments_the_cache_lost_are_read_back_one_get_a_shared_object():
+    """The small segments a shared compaction merges, no longer cached, are
+    read like its slices: each earlier shared object's segments of the
+    group's partitions in one ranged GET (they lie side by side), not one
+    GET a segment."""
+    async def go():
+        n = Node()
+        flusher, logs = await n.start(partitions=10)
+        for r in range(4):  # the fourth compaction merges the three segments before it
+            await asyncio.gather(*(append(lg, batch(b"p%d-r%d" % (lg.partition, r))) for lg in logs))
+            if r == 3:
+                flusher.cache.segments.clear()  # every slice and segment evicted
+                node_objects = {m.key for lg in logs for m in lg.uncached()}
+                gets = n.store.requests["get"]
+            assert await share(n, flusher, logs, seq=r + 1) == 10
+        assert n.store.requests["get"] - gets == len(node_objects) + 3, "a GET a node object, a shared object"
+        for lg in logs:
+            assert [(m.base, m.last) for m in lg.segments] == [(0, 3)], "merged into one"
+            assert await values(lg) == [b"p%d-r%d" % (lg.partition, r) for r in range(4)]
+        await flusher.stop()
+
+    run(go())
+
+
 def test_shared_compactions_take_neighbouring_partitions():
     """However the due partitions are ordered, each shared compaction takes a
     run of neighbours (whose slices lie side by side in node objects)."""
@@ -432,7 +456,7 @@ def test_slice_reads_join_slices_into_runs_within_their_limits():
         far = sl("node", 200_000, 50_000)  # more than RUN_GAP_BYTES on
         elsewhere = sl("other", 0, 10)
         class Log:  # a partition of the group, these slices not cached
-            def uncached_slices(self) -> list[SegmentManifest]:
+            def uncached(self, *_: int) -> list[SegmentManifest]:
                 return [far, *together, sparse, elsewhere]
 
         reads = SliceReads(store, [Log()])  # type: ignore[list-item]
