@@ -279,19 +279,10 @@ class PartitionLog(LogReader):
 
     def committed(self, manifest: SegmentManifest, items: list[_Pending]) -> None:
         """The node object holding these batches (a slice of it: manifest) is
-        committed (and its slices are in the cache: NodeFlusher puts them all at
-        once). Once a slice, a batch each at 1,000 partitions and more: the
-        usual case of _resolve, the oldest batches in flight, is written out here."""
+        committed (and its slices are in the cache: NodeFlusher puts them all at once)."""
         self.add_segment(manifest)
         self.hw = manifest.last + 1
-        inflight, n = self._inflight, len(items)
-        if n and len(inflight) >= n and inflight[0] is items[0] and inflight[n - 1] is items[-1]:
-            del inflight[:n]
-            for p in items:
-                for who, token in p.acks or ():
-                    who.answer(token, None)
-        else:
-            self._resolve(items)
+        self._resolve(items)
         self._on_change(self, manifest)
         if not self._pending and not self._inflight:
             self._idle.set()
@@ -323,7 +314,7 @@ class PartitionLog(LogReader):
         # case without its calls: once a partition at every node commit, it cut a request of 100
         # partition batches by 3-5% of its instructions (bench/instructions.py logproc --spread 100).
         bases = self._bases
-        if m.pos >= 0 and m.base >= self.checkpoint and (not bases or bases[-1] < m.base):  # _is_slice(m), inline
+        if self._is_slice(m) and (not bases or bases[-1] < m.base):
             self.segments.append(m)
             bases.append(m.base)
             self._slice_count += 1

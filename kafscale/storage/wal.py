@@ -467,11 +467,9 @@ class NodeFlusher:
                 m = SegmentManifest(base, last, count, size, min_ts, max_ts, key, created,
                                     lg.producers_of(items) if lg.has_producers() else {}, pos)
                 slices.append(Slice(lg, m, items))
-                cached.append((f"{key}#{pos}", pos, size, tables))  # m.ref
+                cached.append((m.ref, pos, size, tables))
                 for p in items:
-                    if p.release is not None:  # p.done_with_payload(), once a batch
-                        p.release()
-                        p.release = None
+                    p.done_with_payload()
                 if lg.topic not in ids:
                     if (tid := self.topic_id(lg.topic)) is None:
                         raise Fenced(f"topic {lg.topic} was deleted")
