@@ -49,6 +49,17 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def produce_answers(requests: list[tuple[Any, ...]]) -> list[tuple[int, int, dict[str, Any]]]:
+    """Every partition of these staged Produce requests (_native.stage_produce_run's) appended:
+    the bodies encode_produce_responses frames."""
+    return [(correlation_id, version, {"throttle_time_ms": 0, "responses": [
+        {"name": name, "partition_responses": [
+            {"index": index, "error_code": 0, "base_offset": 1, "log_append_time_ms": -1,
+             "log_start_offset": 0, "record_errors": [], "error_message": None}
+            for index, _ in parts]} for name, parts in topics]})
+        for correlation_id, version, *_, topics in requests]
+
+
 def serve(ports: mp.Queue, marks: mp.Queue, readings: mp.Queue) -> None:
     """Run the listener until told to stop, answering each mark with the process's CPU seconds."""
     metrics.init_process(1, "worker-0", tempfile.mkdtemp(prefix="kafscale-bench-metrics-"))
@@ -73,12 +84,7 @@ def serve(ports: mp.Queue, marks: mp.Queue, readings: mp.Queue) -> None:
                                                        True, 1 << 20, RejectedPayload)
             if not unanswered:
                 loop.call_later(ACK_EVERY_S, acknowledge)
-            unanswered.append((respond, [(correlation_id, version, {"throttle_time_ms": 0, "responses": [
-                {"name": name, "partition_responses": [
-                    {"index": index, "error_code": 0, "base_offset": 1, "log_append_time_ms": -1,
-                     "log_start_offset": 0, "record_errors": [], "error_message": None}
-                    for index, _ in parts]} for name, parts in topics]})
-                for correlation_id, version, *_, topics in requests]))
+            unanswered.append((respond, produce_answers(requests)))
 
         server = KafkaServer({}, "127.0.0.1", 0, ConnectionLimits.from_config(Config()),
                              produce_run=produce_run)
