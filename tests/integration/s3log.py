@@ -8,6 +8,7 @@ import contextlib
 import socket
 import threading
 import time
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kafscale.devstack import free_port
@@ -18,7 +19,9 @@ class S3RequestLog:
         self.target_port = target_port
         self.port = free_port()
         self.requests: list[tuple[str, str]] = []  # (method, path without the query)
-        self.timeline: list[tuple[str, str, float, float]] = []  # (method, target, forwarding began, ended)
+        # [method, target, forwarding began, ended]: noted as the request comes (its answer may reach
+        # the client before this thread is scheduled again), the end once forwarded (None until then)
+        self.timeline: list[list[Any]] = []
         self.delay = 0.0
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", self.port))
@@ -42,7 +45,9 @@ class S3RequestLog:
         """The most requests with this method and query parameter forwarded at
         the same time."""
         with self._lock:
-            spans = [(t0, t1) for m, target, t0, t1 in self.timeline if m == method and query in target]
+            now = time.monotonic()
+            spans = [(t0, now if t1 is None else t1) for m, target, t0, t1 in self.timeline
+                     if m == method and query in target]
         edges = sorted([(t0, 1) for t0, _ in spans] + [(t1, -1) for _, t1 in spans])
         most = now = 0
         for _, step in edges:
@@ -78,9 +83,10 @@ class S3RequestLog:
                 lines = head.decode("latin-1").split("\r\n")
                 method, target = lines[0].split(" ")[:2]
                 headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-                began = time.monotonic()
+                noted = [method, target, time.monotonic(), None]
                 with self._lock:
                     self.requests.append((method, unquote(urlsplit(target).path)))
+                    self.timeline.append(noted)
                 time.sleep(self.delay)
                 dst.sendall(head + b"\r\n\r\n")
                 left = int(headers.get("content-length", "0"))
@@ -92,8 +98,7 @@ class S3RequestLog:
                     chunk, buf = buf[:left], buf[left:]
                     dst.sendall(chunk)
                     left -= len(chunk)
-                with self._lock:
-                    self.timeline.append((method, target, began, time.monotonic()))
+                noted[3] = time.monotonic()
         except OSError:
             pass
         finally:
