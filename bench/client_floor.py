@@ -28,11 +28,10 @@ import multiprocessing as mp
 from typing import Any
 
 from bench.e2e import CpuMeter, pct
-from bench.listener import produce_answers
+from bench.listener import staged_answers
 from bench.partitions import offer
 from kafscale import _native
 from kafscale.broker.context import RequestContext
-from kafscale.broker.messages import RejectedPayload
 from kafscale.broker.server import ConnectionLimits, KafkaServer, RunRespond
 from kafscale.config import Config
 from kafscale.protocol import schemas
@@ -47,7 +46,7 @@ def serve(partitions: int, ports: mp.Queue) -> None:
 
     async def main() -> None:
         header, data = bytearray(16), bytearray(1 << 24)
-        ring = _native.RingWriter(header, data)  # reused from its start by every run: nothing is kept
+        ring = _native.RingWriter(header, data)
         port = 0
 
         async def api_versions(_hdr: RequestContext, _req: dict[str, Any]) -> dict[str, Any]:
@@ -63,10 +62,7 @@ def serve(partitions: int, ports: mp.Queue) -> None:
                                 "partitions": parts}]}
 
         def produce_run(_hdr: RequestContext, frames: memoryview, count: int, respond: RunRespond) -> None:
-            header[:8] = bytes(8)
-            requests, _, _ = _native.stage_produce_run(frames, count, schemas.PRODUCE.request.flexible_min, ring, 0,
-                                                       True, 1 << 20, RejectedPayload)
-            respond(encode_produce_responses(produce_answers(requests)))
+            respond(encode_produce_responses(staged_answers(frames, count, header, ring)))
 
         server = KafkaServer({schemas.API_VERSIONS.key: api_versions, schemas.METADATA.key: metadata},
                              "127.0.0.1", 0, ConnectionLimits.from_config(Config()), produce_run=produce_run)

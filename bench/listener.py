@@ -49,9 +49,14 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def produce_answers(requests: list[tuple[Any, ...]]) -> list[tuple[int, int, dict[str, Any]]]:
-    """Every partition of these staged Produce requests (_native.stage_produce_run's) appended:
-    the bodies encode_produce_responses frames."""
+def staged_answers(frames: memoryview, count: int, header: bytearray, ring: _native.RingWriter
+                   ) -> list[tuple[int, int, dict[str, Any]]]:
+    """A run of Produce requests validated and staged in the ring as a worker
+    stages them (the ring reused from its start: nothing is kept), and every
+    partition of them answered as appended: the bodies encode_produce_responses frames."""
+    header[:8] = bytes(8)
+    requests, _, _ = _native.stage_produce_run(frames, count, schemas.PRODUCE.request.flexible_min, ring, 0,
+                                               True, 1 << 20, RejectedPayload)
     return [(correlation_id, version, {"throttle_time_ms": 0, "responses": [
         {"name": name, "partition_responses": [
             {"index": index, "error_code": 0, "base_offset": 1, "log_append_time_ms": -1,
@@ -70,7 +75,7 @@ def serve(ports: mp.Queue, marks: mp.Queue, readings: mp.Queue) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         header, data = bytearray(16), bytearray(1 << 22)
-        ring = _native.RingWriter(header, data)  # reused from its start by every run
+        ring = _native.RingWriter(header, data)
         unanswered: list[tuple[RunRespond, list[tuple[int, int, dict[str, Any]]]]] = []
 
         def acknowledge() -> None:
@@ -79,12 +84,10 @@ def serve(ports: mp.Queue, marks: mp.Queue, readings: mp.Queue) -> None:
                 respond(encode_produce_responses(bodies))
 
         def produce_run(hdr: RequestContext, frames: memoryview, count: int, respond: RunRespond) -> None:
-            header[:8] = bytes(8)
-            requests, _, _ = _native.stage_produce_run(frames, count, schemas.PRODUCE.request.flexible_min, ring, 0,
-                                                       True, 1 << 20, RejectedPayload)
+            bodies = staged_answers(frames, count, header, ring)
             if not unanswered:
                 loop.call_later(ACK_EVERY_S, acknowledge)
-            unanswered.append((respond, produce_answers(requests)))
+            unanswered.append((respond, bodies))
 
         server = KafkaServer({}, "127.0.0.1", 0, ConnectionLimits.from_config(Config()),
                              produce_run=produce_run)

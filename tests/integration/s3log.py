@@ -45,8 +45,8 @@ class S3RequestLog:
         """The most requests with this method and query parameter forwarded at
         the same time."""
         with self._lock:
-            now = time.monotonic()
-            spans = [(t0, now if t1 is None else t1) for m, target, t0, t1 in self.timeline
+            still = time.monotonic()  # the end of one still being forwarded
+            spans = [(t0, still if t1 is None else t1) for m, target, t0, t1 in self.timeline
                      if m == method and query in target]
         edges = sorted([(t0, 1) for t0, _ in spans] + [(t1, -1) for _, t1 in spans])
         most = now = 0
