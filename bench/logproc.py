@@ -12,7 +12,7 @@ Printed: this process's CPU time (user + system, getrusage) per request
 over --requests requests, for --runs runs, each in a fresh process. Staging
 each payload in a ring (a worker's part) is included: about 1 µs a request.
 
-    python -m bench.logproc --requests 40000 --runs 5 [--partitions 100] [--calls 50] [--spread 1]
+    python -m bench.logproc --requests 40000 --runs 5 [--partitions 100] [--calls 50] [--spread 1] [--compact 1]
 
 With many partitions and few requests a call (--partitions 10000 --calls 5,
 as at 2,000 records/s over 10,000 partitions) each partition's slice of a
@@ -20,7 +20,10 @@ node object holds one request, and the costs of a slice and of a call
 count as much as those of a request. With --spread N each request names N
 partitions (each with its own payload of two records), as Kafka's Java
 client and Sarama send a broker one request holding every partition's ready
-batch: the cost printed is then that of N partition batches.
+batch: the cost printed is then that of N partition batches. With
+--compact 1, every load is followed by the compaction of all it wrote (as
+the broker's compaction loop does it: neighbouring partitions' segments in
+shared objects), and the cost printed includes it.
 
 What the in-memory stores cost is not the broker's; compare commits by
 running this at each, alternately, on the same machine (with
@@ -30,19 +33,23 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import multiprocessing as mp
+import time
 
 from bench.listener import cpu_s, per_request_runs
 from kafscale import _native
 from kafscale.broker import messages
 from kafscale.broker.broker import Broker
 from kafscale.broker.logproc import LogService
+from kafscale.broker.partitions import compaction_batches
 from kafscale.broker.shm import SharedArea, SharedCache
 from kafscale.broker.supervisor import GC_THRESHOLDS
 from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
 from kafscale.storage.memory import MemoryObjectStore
+from kafscale.storage.shared import compact_shared
 
 PARTITIONS = 100  # --partitions by default
 CALLS = 50  # --calls by default: a connection's requests of one loop pass at 20,000 records/s over 100 partitions
@@ -50,7 +57,8 @@ CALLS_IN_FLIGHT = 20
 TOPIC = "bench"
 
 
-async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS, spread: int = 1) -> float:
+async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS, spread: int = 1,
+               compact: int = 0) -> float:
     cfg = Config(node_id=1, namespace="bench", node_flush=True)
     etcd = MemoryEtcd()
     meta = MetaStore.in_memory("bench", etcd)
@@ -58,7 +66,8 @@ async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS, 
     area = SharedArea(1, cfg.ring_bytes, cfg.cache_bytes)
     area.populate()  # as the log process does: no first-touch page faults in the copies measured
     cache = SharedCache(area)
-    broker = Broker(cfg, MemoryObjectStore(), meta, cache)
+    store = MemoryObjectStore()
+    broker = Broker(cfg, store, meta, cache)
     broker.partitions.cluster.desired_owner = lambda _t, _p: cfg.node_id  # type: ignore[method-assign]
     await broker.partitions.start(await etcd.lease(60))
     await broker.partitions.refresh_defaults()
@@ -87,6 +96,23 @@ async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS, 
                 assert all(isinstance(r, list) for r in replies), replies
             await asyncio.sleep(0)
         await asyncio.gather(*in_flight)
+        if compact:
+            await compact_all()
+
+    seqs = itertools.count(1)
+
+    async def compact_all() -> None:
+        """Every partition's committed slices compacted, in the batches the compaction loop makes of them."""
+        registry = broker.partitions
+        assert registry.flusher is not None
+        now_ms = int(time.time() * 1000)
+        due = [lg for lg in registry.logs.values() if lg.compaction_due(now_ms, 0, 0)]
+        for logs, shared in compaction_batches(due, cfg.shared_compaction):
+            if shared:
+                await compact_shared(logs, cfg, store, meta, registry.flusher.fence, next(seqs),
+                                     registry.flusher.topic_id)
+            else:
+                await logs[0].compact()
 
     await load(-(-partitions * 4 // spread))  # every partition opened
     gc.collect()
@@ -99,14 +125,15 @@ async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS, 
     return per_request
 
 
-def _one(requests: int, partitions: int, calls: int, spread: int, out: mp.Queue) -> None:
-    out.put(asyncio.run(_run(requests, partitions, calls, spread)))
+def _one(requests: int, partitions: int, calls: int, spread: int, compact: int, out: mp.Queue) -> None:
+    out.put(asyncio.run(_run(requests, partitions, calls, spread, compact)))
 
 
-def one_run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS, spread: int = 1) -> float:
+def one_run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS, spread: int = 1,
+            compact: int = 0) -> float:
     """The log process's CPU per request (µs), in a fresh process."""
     out: mp.Queue = mp.Queue()
-    proc = mp.Process(target=_one, args=(requests, partitions, calls, spread, out))
+    proc = mp.Process(target=_one, args=(requests, partitions, calls, spread, compact, out))
     proc.start()
     per_request: float = out.get()
     proc.join()
@@ -118,7 +145,8 @@ def main() -> None:
         "partitions": (PARTITIONS, "partitions the requests go to, in turn"),
         "calls": (CALLS, "produce requests in one call from a worker"),
         "spread": (1, "partitions a request names (librdkafka: 1; Kafka's Java client and Sarama: every "
-                      "partition with a batch ready)")})
+                      "partition with a batch ready)"),
+        "compact": (0, "1: each load is followed by the compaction of what it wrote, counted in the cost")})
 
 
 if __name__ == "__main__":
