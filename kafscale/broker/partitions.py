@@ -146,6 +146,11 @@ class RecentCache(SegmentSource, Protocol):
         """About how long a segment put now stays in the cache (math.inf: for good)."""
         ...
 
+    def batches(self, key: str) -> memoryview | None:
+        """A cached segment's batches (header and footer left out), for compaction to
+        copy before its next await (None: not cached)."""
+        ...
+
     def put_object(self, body: memoryview, entries: list[tuple[str, int, int, bytes]]) -> None:
         """Put the segments that lie back to back in body, each entry their key,
         position, size and tables (shm.segment_tables): a node object's

@@ -41,6 +41,7 @@ from collections import OrderedDict, deque
 
 from kafscale import _native
 from kafscale.storage.cache import CachedSegment
+from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE
 
 NONE = 2**64 - 1
 _RING_HEADER = 64  # head u64 at 0 (worker), tail u64 at 8 (log process)
@@ -229,6 +230,18 @@ class SharedCache:
     def get(self, key: str) -> CachedSegment | None:
         ref = self.ref(key)
         return None if ref is None else _cached(self.data, self.size, ref)
+
+    def batches(self, key: str) -> memoryview | None:
+        """The batches of a cached segment (its header and footer left out), as
+        compaction copies them: valid until the next put."""
+        ref = self.refs.get(key)
+        if ref is None:
+            return None
+        pos, n = _REF.unpack_from(ref)
+        if pos < self._oldest_valid():
+            return None
+        off = pos % self.size
+        return self.data[off + HEADER_SIZE:off + n - FOOTER_SIZE]
 
     def drop_prefix(self, prefix: str) -> None:
         for key in [k for k in self.refs if k.startswith(prefix)]:

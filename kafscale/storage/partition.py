@@ -40,7 +40,7 @@ from kafscale.storage.segment import (
     key_epoch,
     segment_key,
 )
-from kafscale.storage.wal import Linger, Turns, continuing, retry
+from kafscale.storage.wal import Linger, continuing, retry
 
 if TYPE_CHECKING:
     from kafscale.storage.wal import NodeFlusher, WalIndex
@@ -54,7 +54,6 @@ __all__ = ["LogError", "PartitionLog"]
 
 MAX_UPLOADS = 4  # segments of one partition uploading at once
 MAX_UNCOMMITTED = 8  # segments of one partition built and not yet committed (bounds its memory)
-COMPACTION_TURN = 64  # slices a compaction gathers before it lets other work run
 # slices no longer cached that a compaction reads at once: one at a time, a compaction that fell behind read
 # hundreds one GET after another and fell further behind (4 compactions at once: half the store's threads)
 COMPACTION_READS_AT_ONCE = 2
@@ -360,6 +359,8 @@ class PartitionLog(LogReader):
 
     def _to_compact(self) -> list[SegmentManifest]:
         """The committed slices the next compaction takes: oldest first, up to segment.bytes."""
+        if self._slice_bytes <= self.segment_bytes:  # all of them (the usual case: counted, not summed)
+            return self._slices()
         slices: list[SegmentManifest] = []
         size = 0
         for m in self._slices():
@@ -371,6 +372,8 @@ class PartitionLog(LogReader):
 
     def compaction_bytes(self) -> int:
         """Bytes the next compaction reads (it holds about twice that while it builds the segment)."""
+        if self._slice_bytes <= self.segment_bytes:
+            return self._slice_bytes
         return sum(m.size for m in self._to_compact())
 
     def to_merge(self, new_bytes: int, limit: int, most: int) -> list[SegmentManifest]:
@@ -413,7 +416,7 @@ class PartitionLog(LogReader):
         """What the next compaction takes: the compacted segments it merges
         (to_merge; none without merge_limit) and the committed slices."""
         slices = self._to_compact()
-        merged = self.to_merge(sum(m.size for m in slices), merge_limit, most_merged) if merge_limit and slices else []
+        merged = self.to_merge(self.compaction_bytes(), merge_limit, most_merged) if merge_limit and slices else []
         return merged, slices
 
     def uncached(self, merge_limit: int = 0, most_merged: int = 0) -> list[SegmentManifest]:
@@ -435,31 +438,24 @@ class PartitionLog(LogReader):
         if not slices or self.closed:
             return None
         taken = merged + slices
-        parts: list[tuple[bytes, int]] = [(b"", m.base) for m in taken]
-
-        def keep(i: int, seg: CachedSegment) -> None:
-            """A copy of its batches: the next await lets later segments overwrite the cache's bytes of it."""
-            parts[i] = (bytes(memoryview(seg.data)[HEADER_SIZE:seg.body_end]), taken[i].base)
-
-        missed = []
-        turns = Turns(COMPACTION_TURN)  # hundreds of cached slices in one go held every acknowledgement
-        for i, m in enumerate(taken):
-            seg = self.cache.get(m.ref)
-            if seg is None:
-                missed.append(i)
-            else:
-                keep(i, seg)
-                await turns.did()
+        refs = [m.ref for m in taken]
+        fetched: dict[int, memoryview] = {}  # the batches of those the cache did not hold, read from S3
         reads = asyncio.Semaphore(COMPACTION_READS_AT_ONCE)
 
         async def read(i: int) -> None:
             async with reads:
                 data = None if read_slice is None else await read_slice(taken[i])
-                keep(i, CachedSegment.from_object(data) if data is not None
-                     else await self.whole(taken[i], keep=False))  # one ranged GET
+                seg = (CachedSegment.from_object(data) if data is not None
+                       else await self.whole(taken[i], keep=False))  # one ranged GET
+                fetched[i] = memoryview(bytes(memoryview(seg.data)[HEADER_SIZE:seg.body_end]))  # not the cache's
 
-        await asyncio.gather(*(read(i) for i in missed))
-        return merged, slices, build_segment(parts, int(time.time() * 1000))
+        while True:  # the cached ones' batches, in one pass after the last await: only this process writes the cache
+            parts = [(fetched[i] if i in fetched else self.cache.batches(ref), m.base)
+                     for i, (ref, m) in enumerate(zip(refs, taken, strict=True))]
+            missed = [i for i, (batches, _) in enumerate(parts) if batches is None]
+            if not missed:
+                return merged, slices, build_segment(parts, int(time.time() * 1000))
+            await asyncio.gather(*(read(i) for i in missed))
 
     @staticmethod
     def compacted_manifest(built: Compaction, key: str, pos: int = -1) -> SegmentManifest:
