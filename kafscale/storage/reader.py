@@ -145,8 +145,9 @@ class LogReader:
         replaced = self.segments[i:j]
         self.segments[i:j] = [m]
         self._bases[i:j] = [m.base]
-        for r in replaced:
-            self._indexes.pop(r.ref, None)
+        if self._indexes:  # (a compaction replaces hundreds of slices, which have none)
+            for r in replaced:
+                self._indexes.pop(r.ref, None)
         return replaced
 
     def drop_segments(self, n: int) -> None:
