@@ -371,7 +371,8 @@ class PartitionLog(LogReader):
         return slices
 
     def compaction_bytes(self) -> int:
-        """Bytes the next compaction reads (it holds about twice that while it builds the segment)."""
+        """Bytes the next compaction reads (it holds up to twice that while it
+        builds the segment: what it read from S3, and the segment)."""
         if self._slice_bytes <= self.segment_bytes:
             return self._slice_bytes
         return sum(m.size for m in self._to_compact())

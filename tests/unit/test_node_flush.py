@@ -478,12 +478,12 @@ def test_compaction_reads_its_slices_from_a_cache_that_keeps_them_for_less_than_
     run(go())
 
 
-def test_a_compaction_keeps_what_it_read_from_the_cache_while_later_segments_overwrite_it():
-    """A slice read from the shared cache is a view of its ring. Compaction
-    reads slices one after another and awaits between them (a GET, a turn),
-    while committed segments go on being written into the ring: the
-    compacted segment must hold the slice's records, not what overwrote its
-    bytes meanwhile (the same sizes, so that they parse as batches too)."""
+def test_a_compaction_reads_again_what_later_segments_overwrote_while_it_read_from_s3():
+    """A slice taken from the shared cache is a view of its ring. Compaction
+    awaits the GETs of the slices the cache lacks while committed segments
+    go on being written into the ring: the compacted segment must hold the
+    cached slice's records, not what overwrote its bytes meanwhile (the same
+    sizes, so that they parse as batches too)."""
     async def go():
         n = Node()
         cache = SharedCache(SharedArea(1, 64, 64 << 10))
