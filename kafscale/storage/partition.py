@@ -439,24 +439,22 @@ class PartitionLog(LogReader):
         if not slices or self.closed:
             return None
         taken = merged + slices
-        refs = [m.ref for m in taken]
-        fetched: dict[int, memoryview] = {}  # the batches of those the cache did not hold, read from S3
-        reads = asyncio.Semaphore(COMPACTION_READS_AT_ONCE)
+        parts: list[tuple[memoryview | bytes | None, int]] = [(self.cache.batches(m.ref), m.base) for m in taken]
+        missed = [i for i, (batches, _) in enumerate(parts) if batches is None]
+        if missed:  # the cached ones are copied before the reads' awaits: meanwhile the ring moves on, and
+            # a slice it overwrote would have to be read back with a GET of its own
+            parts = [(None if batches is None else bytes(batches), base) for batches, base in parts]
+            reads = asyncio.Semaphore(COMPACTION_READS_AT_ONCE)
 
-        async def read(i: int) -> None:
-            async with reads:
-                data = None if read_slice is None else await read_slice(taken[i])
-                seg = (CachedSegment.from_object(data) if data is not None
-                       else await self.whole(taken[i], keep=False))  # one ranged GET
-                fetched[i] = memoryview(bytes(memoryview(seg.data)[HEADER_SIZE:seg.body_end]))  # not the cache's
+            async def read(i: int) -> None:
+                async with reads:
+                    data = None if read_slice is None else await read_slice(taken[i])
+                    seg = (CachedSegment.from_object(data) if data is not None
+                           else await self.whole(taken[i], keep=False))  # one ranged GET
+                    parts[i] = (bytes(memoryview(seg.data)[HEADER_SIZE:seg.body_end]), taken[i].base)
 
-        while True:  # the cached ones' batches, in one pass after the last await: only this process writes the cache
-            parts = [(fetched[i] if i in fetched else self.cache.batches(ref), m.base)
-                     for i, (ref, m) in enumerate(zip(refs, taken, strict=True))]
-            missed = [i for i, (batches, _) in enumerate(parts) if batches is None]
-            if not missed:
-                return merged, slices, build_segment(parts, int(time.time() * 1000))
             await asyncio.gather(*(read(i) for i in missed))
+        return merged, slices, build_segment(parts, int(time.time() * 1000))
 
     @staticmethod
     def compacted_manifest(built: Compaction, key: str, pos: int = -1) -> SegmentManifest:
