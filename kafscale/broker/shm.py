@@ -234,12 +234,10 @@ class SharedCache:
     def batches(self, key: str) -> memoryview | None:
         """The batches of a cached segment (its header and footer left out), as
         compaction copies them: valid until the next put."""
-        ref = self.refs.get(key)
+        ref = self.ref(key)
         if ref is None:
             return None
         pos, n = _REF.unpack_from(ref)
-        if pos < self._oldest_valid():
-            return None
         off = pos % self.size
         return self.data[off + HEADER_SIZE:off + n - FOOTER_SIZE]
 

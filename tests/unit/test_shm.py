@@ -11,6 +11,7 @@ import pytest
 from kafscale.broker import shm
 from kafscale.broker.shm import CacheReader, SharedArea, SharedCache, ref_position, segment_tables
 from kafscale.storage.cache import CachedSegment
+from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE
 
 
 def test_ring_never_overwrites_live_payloads_and_empty_ring_takes_anything():
@@ -90,6 +91,18 @@ def test_cache_serves_until_overwritten_and_never_overwrites_a_pinned_segment():
     assert reader.acquire(ref_a) is None  # overwritten: the worker reads S3 instead
     got = cache.get("b")
     assert got is not None and bytes(got.data) == bytes([2]) * 400
+
+
+def test_a_cached_segments_batches_are_its_bytes_between_header_and_footer_until_overwritten():
+    cache = SharedCache(SharedArea(1, 64, 1000))
+    data = bytes([7]) * HEADER_SIZE + bytes(range(100)) + bytes([9]) * FOOTER_SIZE
+    cache.put("a", CachedSegment(data, [0], [HEADER_SIZE]))
+    got = cache.batches("a")
+    assert got is not None and bytes(got) == bytes(range(100))
+    assert cache.batches("b") is None
+    cache.put("b", segment(2, 600))
+    cache.put("c", segment(3, 600))  # wraps over "a"
+    assert cache.batches("a") is None
 
 
 def put_object(cache: SharedCache, *segments: tuple[str, int, int]) -> None:
