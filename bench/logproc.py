@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import multiprocessing as mp
 import time
 
@@ -49,7 +48,6 @@ from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
 from kafscale.metadata.store import MetaStore
 from kafscale.storage.memory import MemoryObjectStore
-from kafscale.storage.shared import compact_shared
 
 PARTITIONS = 100  # --partitions by default
 CALLS = 50  # --calls by default: a connection's requests of one loop pass at 20,000 records/s over 100 partitions
@@ -66,8 +64,7 @@ async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS, 
     area = SharedArea(1, cfg.ring_bytes, cfg.cache_bytes)
     area.populate()  # as the log process does: no first-touch page faults in the copies measured
     cache = SharedCache(area)
-    store = MemoryObjectStore()
-    broker = Broker(cfg, store, meta, cache)
+    broker = Broker(cfg, MemoryObjectStore(), meta, cache)
     broker.partitions.cluster.desired_owner = lambda _t, _p: cfg.node_id  # type: ignore[method-assign]
     await broker.partitions.start(await etcd.lease(60))
     await broker.partitions.refresh_defaults()
@@ -99,20 +96,12 @@ async def _run(requests: int, partitions: int = PARTITIONS, calls: int = CALLS, 
         if compact:
             await compact_all()
 
-    seqs = itertools.count(1)
-
     async def compact_all() -> None:
         """Every partition's committed slices compacted, in the batches the compaction loop makes of them."""
-        registry = broker.partitions
-        assert registry.flusher is not None
         now_ms = int(time.time() * 1000)
-        due = [lg for lg in registry.logs.values() if lg.compaction_due(now_ms, 0, 0)]
+        due = [lg for lg in broker.partitions.logs.values() if lg.compaction_due(now_ms, 0, 0)]
         for logs, shared in compaction_batches(due, cfg.shared_compaction):
-            if shared:
-                await compact_shared(logs, cfg, store, meta, registry.flusher.fence, next(seqs),
-                                     registry.flusher.topic_id)
-            else:
-                await logs[0].compact()
+            await broker.partitions.compact(logs, shared)
 
     await load(-(-partitions * 4 // spread))  # every partition opened
     gc.collect()

@@ -180,6 +180,7 @@ class PartitionRegistry:
         self.defaults = topic_config.Defaults(cfg)  # re-read by refresh_defaults
         self.flusher = NodeFlusher(cfg, store, meta, cache, self._topic_id, self._fenced) if cfg.node_flush else None
         self.wal = WalIndex(meta)
+        self._shared_seqs = itertools.count(1)  # shared objects of this process (named under the fence as well)
         self.sweeper = OrphanSweeper(store, cfg.namespace)
         self._markers: dict[bytes, tuple[str, asyncio.Task[None]]] = {}  # topic id -> name, its marker's write
         self._refencing = False  # taking a new fence: no partition opens
@@ -494,7 +495,6 @@ class PartitionRegistry:
         freed = asyncio.Condition()
         slots = asyncio.Semaphore(COMPACTIONS_AT_ONCE)
         running: dict[PartitionLog, asyncio.Task[None]] = {}
-        seqs = itertools.count(1)  # shared objects of this process (named under the fence as well)
 
         async def compact(logs: list[PartitionLog], shared: bool) -> None:
             """Holds a slot; waits while the memory compactions hold would not fit in `limit` (one always may)."""
@@ -504,12 +504,7 @@ class PartitionRegistry:
                     await freed.wait_for(lambda: free[0] >= need)
                     free[0] -= need
                 try:
-                    if shared:
-                        assert self.flusher is not None
-                        await compact_shared(logs, self.cfg, self.store, self.meta, self.flusher.fence, next(seqs),
-                                             self.flusher.topic_id)
-                    else:
-                        await logs[0].compact()
+                    await self.compact(logs, shared)
                 except Exception as exc:
                     log.warning("compaction of %s failed (tried again later): %r",
                                 ", ".join(f"{lg.topic}/{lg.partition}" for lg in logs), exc)
@@ -549,6 +544,16 @@ class PartitionRegistry:
             # in its commit left the partition key unknown, and the partition's hand-over then failed
             if running:
                 await asyncio.wait(set(running.values()))
+
+    async def compact(self, logs: list[PartitionLog], shared: bool) -> None:
+        """One compaction of compaction_batches: these logs' committed slices
+        into a shared object, or the one log's into a segment of its own."""
+        if shared:
+            assert self.flusher is not None
+            await compact_shared(logs, self.cfg, self.store, self.meta, self.flusher.fence, next(self._shared_seqs),
+                                 self.flusher.topic_id)
+        else:
+            await logs[0].compact()
 
     def compaction_lags(self) -> tuple[int, int]:
         """How old slices are compacted: compaction_lag_ms, or sooner while the

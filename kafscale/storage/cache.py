@@ -36,6 +36,10 @@ class CachedSegment:
         infos = _native.scan_batches(body)
         return cls(data, [b.base_offset for b in infos], [HEADER_SIZE + b.position for b in infos])
 
+    def batches(self) -> memoryview:
+        """Its batches: the bytes between the header and body_end."""
+        return memoryview(self.data)[HEADER_SIZE:self.body_end]
+
     def slice_from(self, offset: int, max_bytes: int) -> tuple[memoryview, bool]:
         """Whole batches from the one holding `offset`, up to max_bytes (always
         at least one batch, as Kafka does so that big records make progress),

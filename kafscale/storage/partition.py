@@ -32,7 +32,6 @@ from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectExists, ObjectStore
 from kafscale.storage.reader import LogError, LogReader, ReadBudget, SegmentSource
 from kafscale.storage.segment import (
-    HEADER_SIZE,
     BuiltSegment,
     build_segment,
     has_index,
@@ -357,10 +356,10 @@ class PartitionLog(LogReader):
         """When the oldest committed slice was created (0 with none)."""
         return self.segments[-self._slice_count].created_ms if self._slice_count else 0
 
-    def _to_compact(self) -> list[SegmentManifest]:
-        """The committed slices the next compaction takes: oldest first, up to segment.bytes."""
+    def _to_compact(self) -> tuple[list[SegmentManifest], int]:
+        """The committed slices the next compaction takes (oldest first, up to segment.bytes) and their bytes."""
         if self._slice_bytes <= self.segment_bytes:  # all of them (the usual case: counted, not summed)
-            return self._slices()
+            return self._slices(), self._slice_bytes
         slices: list[SegmentManifest] = []
         size = 0
         for m in self._slices():
@@ -368,14 +367,12 @@ class PartitionLog(LogReader):
                 break
             slices.append(m)
             size += m.size
-        return slices
+        return slices, size
 
     def compaction_bytes(self) -> int:
         """Bytes the next compaction reads (it holds up to twice that while it
         builds the segment: what it read from S3, and the segment)."""
-        if self._slice_bytes <= self.segment_bytes:
-            return self._slice_bytes
-        return sum(m.size for m in self._to_compact())
+        return self._to_compact()[1]
 
     def to_merge(self, new_bytes: int, limit: int, most: int) -> list[SegmentManifest]:
         """The compacted segments in shared objects just before the slices that
@@ -416,8 +413,8 @@ class PartitionLog(LogReader):
                           ) -> tuple[list[SegmentManifest], list[SegmentManifest]]:
         """What the next compaction takes: the compacted segments it merges
         (to_merge; none without merge_limit) and the committed slices."""
-        slices = self._to_compact()
-        merged = self.to_merge(self.compaction_bytes(), merge_limit, most_merged) if merge_limit and slices else []
+        slices, size = self._to_compact()
+        merged = self.to_merge(size, merge_limit, most_merged) if merge_limit and slices else []
         return merged, slices
 
     def uncached(self, merge_limit: int = 0, most_merged: int = 0) -> list[SegmentManifest]:
@@ -451,7 +448,7 @@ class PartitionLog(LogReader):
                     data = None if read_slice is None else await read_slice(taken[i])
                     seg = (CachedSegment.from_object(data) if data is not None
                            else await self.whole(taken[i], keep=False))  # one ranged GET
-                    parts[i] = (bytes(memoryview(seg.data)[HEADER_SIZE:seg.body_end]), taken[i].base)
+                    parts[i] = (bytes(seg.batches()), taken[i].base)
 
             await asyncio.gather(*(read(i) for i in missed))
         return merged, slices, build_segment(parts, int(time.time() * 1000))

@@ -386,7 +386,7 @@ class LogReader:
             if m.max_ts < ts or m.last < self.log_start:
                 continue
             seg = await self.whole(m)
-            found = first_at_or_after(memoryview(seg.data)[HEADER_SIZE:seg.body_end], ts, self.log_start)
+            found = first_at_or_after(seg.batches(), ts, self.log_start)
             if found is not None:
                 return found
         return -1, -1

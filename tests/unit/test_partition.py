@@ -23,7 +23,7 @@ from kafscale.storage.cache import CachedSegment
 from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import SWEEP_GATHER_S, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
-from kafscale.storage.segment import HEADER_SIZE, index_key, segment_key
+from kafscale.storage.segment import index_key, segment_key
 
 TOPIC = "orders"
 
@@ -44,7 +44,7 @@ class DictCache:
 
     def batches(self, key):
         seg = self.segments.get(key)
-        return None if seg is None else memoryview(seg.data)[HEADER_SIZE:seg.body_end]
+        return None if seg is None else seg.batches()
 
     def put(self, key, seg):
         self.segments[key] = seg
