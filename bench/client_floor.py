@@ -5,7 +5,8 @@ produce() to its delivery report, so every figure includes what the client
 itself takes. With many partitions that is not small: librdkafka keeps a
 queue, a linger timer and a batch per partition and goes through them from
 its broker thread. This bench offers the same load (`bench.partitions.offer`:
-acks=all, linger.ms 5, 1 KiB records, partitions in turn) to a Kafka listener
+acks=all, linger.ms 5, 1 KiB records, partitions in turn; with --client,
+Sarama's or aiokafka's offer of bench.partitions instead) to a Kafka listener
 that answers every Produce request at once: `KafkaServer` in a process of
 its own, with ApiVersions, a Metadata answer naming one topic of P
 partitions led by itself, and each run of Produce requests validated and
@@ -16,9 +17,10 @@ any broker's ack latency at that P, on this machine, with this client.
 
 For each P: records acknowledged, ack p50/p99 and the p99 as a ratio to the
 first P, and the CPU cores of the producer (this process: librdkafka's
-threads and the loop offering records) and of the listener.
+threads and the loop offering records; or Sarama's Go process, which it
+waits for) and of the listener.
 
-    python -m bench.client_floor [--partitions 1,10000] [--rate 2000] [--seconds 30]
+    python -m bench.client_floor [--partitions 1,10000] [--rate 2000] [--seconds 30] [--client sarama]
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from bench.e2e import CpuMeter, pct
 from bench.listener import staged_answers
-from bench.partitions import offer
+from bench.partitions import OFFERS, sarama_offer
 from kafscale import _native
 from kafscale.broker.context import RequestContext
 from kafscale.broker.server import ConnectionLimits, KafkaServer, RunRespond
@@ -80,9 +82,13 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=2000, help="records a second offered")
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--drain", type=float, default=60)
+    ap.add_argument("--client", choices=sorted(OFFERS), default="librdkafka", help="who offers the load")
     args = ap.parse_args()
-    print(f"{args.rate} records/s of 1 KiB for {args.seconds:g} s, acks=all, linger 5 ms, to a listener that "
-          "answers at once (ratio to the first P in brackets)")
+    offer = OFFERS[args.client]
+    if args.client == "sarama":
+        sarama_offer()  # compiled before any load is measured
+    print(f"{args.rate} records/s of 1 KiB for {args.seconds:g} s from {args.client}, acks=all, linger 5 ms, to a "
+          "listener that answers at once (ratio to the first P in brackets)")
     print(f"{'P':>6} {'acked':>13} {'ack p50 ms':>11} {'ack p99 ms':>17} {'producer cores':>15} {'listener cores':>15}")
     first = None
     for partitions in [int(p) for p in args.partitions.split(",")]:
