@@ -20,6 +20,7 @@ from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
 from kafscale.protocol.framing import ProduceAnswer
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
 from kafscale.storage.partition import Ack, LogError, PartitionLog
+from kafscale.storage.wal import Turns
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class ProduceApi(PartitionApi):
         topics: dict[str, _Topic] = {}  # looked up once for the call: its requests share a principal
         acks = {timeout_ms: Acks() for timeout_ms in {req[1] for req in reqs}}
         appended: list[ProduceAnswer | Exception] = []
-        batches = 0  # appended since other work last had a turn
+        turns = Turns(APPEND_TURN)
         async with hdr.append_order:  # appends in the order the connection sent them
             for i, req in enumerate(reqs):
                 try:
@@ -152,10 +153,7 @@ class ProduceApi(PartitionApi):
                         assert logs is not None
                     answer: ProduceAnswer = []
                     for _ in self._append(hdr, req, topics, logs, acks[req[1]] if req[0] != 0 else None, answer):
-                        batches += 1
-                        if batches >= APPEND_TURN:
-                            batches = 0
-                            await asyncio.sleep(0)
+                        await turns.did()
                     appended.append(answer)
                 except Exception as exc:
                     log.exception("produce failed")
