@@ -119,6 +119,16 @@ class Acks:
         self._left.clear()
 
 
+def _release(topic_data: ProduceTopics, skip: int) -> None:
+    """Hand back the accepted payloads of a request's partition batches after the first `skip`."""
+    for _, partition_data in topic_data:
+        for _, payload in partition_data:
+            if skip > 0:
+                skip -= 1
+            elif isinstance(payload, tuple):
+                payload[1]()
+
+
 class ProduceApi(PartitionApi):
     ROUTES = {
         schemas.INIT_PRODUCER_ID.key: "init_producer_id",
@@ -143,21 +153,35 @@ class ProduceApi(PartitionApi):
         acks = {timeout_ms: Acks() for timeout_ms in {req[1] for req in reqs}}
         appended: list[ProduceAnswer | Exception] = []
         turns = Turns(APPEND_TURN)
-        async with hdr.append_order:  # appends in the order the connection sent them
-            for i, req in enumerate(reqs):
-                try:
-                    logs = self._resolve(hdr, req, topics, None)
-                    if logs is None:  # a topic to look up or a partition to open first
-                        self._start_opening(hdr, reqs[i + 1:])
-                        logs = self._resolve(hdr, req, topics, await self._open(hdr, req, topics))
-                        assert logs is not None
-                    answer: ProduceAnswer = []
-                    for _ in self._append(hdr, req, topics, logs, acks[req[1]] if req[0] != 0 else None, answer):
-                        await turns.did()
-                    appended.append(answer)
-                except Exception as exc:
-                    log.exception("produce failed")
-                    appended.append(exc)
+        taken = 0  # the requests before this one had their payloads appended or released
+        try:
+            async with hdr.append_order:  # appends in the order the connection sent them
+                for i, req in enumerate(reqs):
+                    try:
+                        logs = self._resolve(hdr, req, topics, None)
+                        if logs is None:  # a topic to look up or a partition to open first
+                            self._start_opening(hdr, reqs[i + 1:])
+                            logs = self._resolve(hdr, req, topics, await self._open(hdr, req, topics))
+                            assert logs is not None
+                        answer: ProduceAnswer = []
+                        appending = self._append(hdr, req, topics, logs, acks[req[1]] if req[0] != 0 else None,
+                                                 answer)
+                        taken = i + 1  # _append releases what it does not append, also when closed midway
+                        try:
+                            for _ in appending:
+                                await turns.did()
+                        finally:
+                            appending.close()
+                        appended.append(answer)
+                    except Exception as exc:
+                        log.exception("produce failed")
+                        appended.append(exc)
+                        if taken == i:  # it failed before _append took its payloads
+                            taken = i + 1
+                            _release(req[3], 0)
+        finally:  # cancelled: the payloads of the requests not reached go back to their rings
+            for req in reqs[taken:]:
+                _release(req[3], 0)
         start = time.monotonic()
         for timeout_ms in sorted(acks):  # each waits its own timeout_ms from now
             await acks[timeout_ms].wait(self.deadlines, start + timeout_ms / 1000 - time.monotonic())
@@ -235,53 +259,60 @@ class ProduceApi(PartitionApi):
         """Append a request's batches to their logs (_resolve's; under the
         connection's lock), yielding after each partition (the caller may let
         other work run there), and put its answer in `responses`; the
-        partitions' of batches appended wait in `durable` (None: acks=0)."""
+        partitions' of batches appended wait in `durable` (None: acks=0).
+        The payloads it does not reach (closed midway, or failed) go back to
+        their rings."""
         acks, _, transactional_id, topic_data = req
         i = 0
-        for name, partition_data in topic_data:
-            writable, _, limit = topics[name]
-            parts: list[list[Any]] = []
-            for index, accepted in partition_data:
-                lg = logs[i]
-                i += 1
-                r = [index, 0, -1, -1, None]
-                parts.append(r)
-                payload: Accepted | LogError | None = accepted
-                try:
-                    if isinstance(payload, LogError):
-                        raise payload
-                    if not writable:
-                        raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not write")
-                    if acks not in (0, 1, -1):
-                        raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
-                    if transactional_id is not None:
-                        raise LogError(ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, NO_TRANSACTIONS)
-                    if lg is None:
-                        raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{name}/{index}")
-                    if isinstance(lg, LogError):
-                        raise lg
-                    data, release = payload
-                    batches = _native.scan_batches(data)
-                    for b in batches:  # not any(generator): with PartitionLog.append, 2.5% of a request's instructions
-                        if b.size > limit:
-                            raise LogError(ErrorCode.MESSAGE_TOO_LARGE, f"a batch exceeds max.message.bytes={limit}")
+        try:
+            for name, partition_data in topic_data:
+                writable, _, limit = topics[name]
+                parts: list[list[Any]] = []
+                for index, accepted in partition_data:
+                    lg = logs[i]
+                    i += 1
+                    r = [index, 0, -1, -1, None]
+                    parts.append(r)
+                    payload: Accepted | LogError | None = accepted
                     try:
-                        r[_BASE_OFFSET] = lg.append(data, batches, None if durable is None else durable.expect(r),
-                                                    release)
-                    except BaseException:
-                        if durable is not None:
-                            durable.forget(r)
-                        raise
-                    payload = None  # the log releases the payload now
-                    r[_LOG_START] = lg.log_start
-                except LogError as exc:
-                    r[_ERROR_CODE], r[_ERROR_MESSAGE] = exc.code, str(exc)
-                    log.info("produce %s/%s rejected: %s %s", name, index, exc.code.name, exc)
-                finally:
-                    if isinstance(payload, tuple):
-                        payload[1]()
-                yield
-            responses.append((name, parts))
+                        if isinstance(payload, LogError):
+                            raise payload
+                        if not writable:
+                            raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not write")
+                        if acks not in (0, 1, -1):
+                            raise LogError(ErrorCode.INVALID_REQUIRED_ACKS, f"acks={acks}")
+                        if transactional_id is not None:
+                            raise LogError(ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, NO_TRANSACTIONS)
+                        if lg is None:
+                            raise LogError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"{name}/{index}")
+                        if isinstance(lg, LogError):
+                            raise lg
+                        data, release = payload
+                        batches = _native.scan_batches(data)
+                        # not any(generator): with PartitionLog.append, 2.5% of a request's instructions
+                        for b in batches:
+                            if b.size > limit:
+                                raise LogError(ErrorCode.MESSAGE_TOO_LARGE,
+                                               f"a batch exceeds max.message.bytes={limit}")
+                        try:
+                            r[_BASE_OFFSET] = lg.append(data, batches,
+                                                        None if durable is None else durable.expect(r), release)
+                        except BaseException:
+                            if durable is not None:
+                                durable.forget(r)
+                            raise
+                        payload = None  # the log releases the payload now
+                        r[_LOG_START] = lg.log_start
+                    except LogError as exc:
+                        r[_ERROR_CODE], r[_ERROR_MESSAGE] = exc.code, str(exc)
+                        log.info("produce %s/%s rejected: %s %s", name, index, exc.code.name, exc)
+                    finally:
+                        if isinstance(payload, tuple):
+                            payload[1]()
+                    yield
+                responses.append((name, parts))
+        finally:  # closed midway, or failed: what it did not reach goes back to its ring
+            _release(topic_data, i)
 
     def _start_opening(self, hdr: RequestContext, reqs: list[ProduceRequest]) -> None:
         """Start opening the partitions these requests may write to that are

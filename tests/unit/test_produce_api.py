@@ -140,3 +140,87 @@ def test_a_request_of_many_partitions_lets_other_work_run_while_it_is_appended(m
             assert {0, 2, 4, PARTITIONS} <= set(seen), seen
 
     run(go())
+
+
+async def durable(logs: list[Any]) -> None:
+    """Until what these logs hold is committed."""
+    for _ in range(500):
+        if all(lg.hw == lg.next_offset for lg in logs):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not committed within 5 s")
+
+
+class Ring:
+    """Payloads handed out and handed back, as a worker's ring sees them (each at most once)."""
+
+    def __init__(self) -> None:
+        self.out: set[int] = set()
+        self.twice: list[int] = []
+
+    def payload(self, value: bytes) -> tuple[memoryview, Any]:
+        token = len(self.out) + 1000 * len(value)
+        while token in self.out:
+            token += 1
+        self.out.add(token)
+
+        def release() -> None:
+            if token in self.out:
+                self.out.remove(token)
+            else:
+                self.twice.append(token)
+
+        return memoryview(_native.build_batch([(1_700_000_000_000, b"k", value, [])])), release
+
+
+def test_a_call_cancelled_midway_hands_back_the_payloads_it_did_not_append(monkeypatch):
+    """A call cancelled between two turns of a request: the partitions it
+    appended become durable and their payloads go back to the ring after
+    their flush, and those of the rest of that request and of the requests
+    after it go back at once, each exactly once (else the ring's tail
+    stays behind them and the worker's ring fills for good)."""
+    monkeypatch.setattr(produce_api, "APPEND_TURN", 2)
+
+    async def go() -> None:
+        async with started() as broker:
+            logs = await asyncio.gather(*(broker.partitions.partition_log(TOPIC, p) for p in range(PARTITIONS)))
+            ring = Ring()
+            reqs: list[ProduceRequest] = [
+                (-1, 30_000, None, [(TOPIC, [(p, ring.payload(bytes([n, p]))) for p in range(PARTITIONS)])])
+                for n in range(2)]
+            call = asyncio.create_task(broker.produce_api.produce_all(header(), reqs))
+            await asyncio.sleep(0)  # the first turn: two partitions of the first request appended
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            assert sum(lg.next_offset for lg in logs) == 2, "the first turn's partitions are appended"
+            await durable(logs)
+            assert not ring.out and not ring.twice, "every payload handed back once"
+
+    run(go())
+
+
+def test_a_request_that_fails_before_it_is_appended_hands_back_its_payloads():
+    """A topic lookup that fails with an unexpected error (not a Kafka
+    error) fails its request, whose payloads go back to the ring; the
+    requests after it are appended as usual."""
+    async def go() -> None:
+        async with started() as broker:
+            reg = broker.partitions
+            await reg.partition_log(TOPIC, 0)
+
+            async def broken(name: str, create: bool = False) -> None:
+                raise RuntimeError("etcd went away")
+
+            reg.topic = broken  # type: ignore[method-assign,assignment]
+            ring = Ring()
+            reqs: list[ProduceRequest] = [
+                (-1, 30_000, None, [("elsewhere", [(0, ring.payload(b"a")), (1, ring.payload(b"b"))])]),
+                (-1, 30_000, None, [(TOPIC, [(0, ring.payload(b"c"))])])]
+            replies = await broker.produce_api.produce_all(header(), reqs)
+            assert isinstance(replies[0], RuntimeError)
+            assert answers(replies[1:]) == [[(TOPIC, 0, 0, 0)]]
+            await durable([reg.open_log(TOPIC, 0)])
+            assert not ring.out and not ring.twice
+
+    run(go())
