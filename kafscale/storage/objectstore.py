@@ -1,5 +1,6 @@
-"""S3-compatible object store: bodies (GETs, PUTs, parts) and listings move
-in a thread pool; deletes and the multipart bookkeeping use aioboto3.
+"""S3-compatible object store: bodies (GETs, PUTs above SMALL_PUT_BYTES,
+parts) and listings move in a thread pool, small PUTs go from the event
+loop; deletes and the multipart bookkeeping use aioboto3.
 
 Segments are written once: every PUT (and multipart completion) sends
 `If-None-Match: *`, so nothing can overwrite an existing segment object.
@@ -22,8 +23,11 @@ through the client). Listings
 XML parser: botocore's parser (every LastModified through dateutil) took a
 tenth of the log process's time while it reopened 10,000 partitions.
 
-Bodies go through threads because a thread sends or receives a body with a
-few large socket calls outside the GIL. aiohttp, on Python 3.11, copies a
+A single PUT of up to SMALL_PUT_BYTES is not sent from a thread but from
+the event loop (`_LoopPuts`), signed and retried the same way: the trip
+through the pool and back cost about as much CPU as the rest of a small
+PUT. Larger bodies go through threads because a thread sends or receives
+a body with a few large socket calls outside the GIL. aiohttp, on Python 3.11, copies a
 PUT body three or four times on the event loop and reads a GET in 64-256 KiB
 chunks that wake the loop and are copied again to be joined; SeaweedFS also
 spends more CPU per byte on its smaller writes. Measured on the bench machine
@@ -69,6 +73,7 @@ log = logging.getLogger(__name__)
 
 MIN_PART = 5 * 1024 * 1024
 BODY_THREADS = 16  # GETs, PUTs and parts in flight at once per store (each process has one store)
+SMALL_PUT_BYTES = 256 << 10  # single PUTs up to this size are sent from the event loop (_LoopPuts)
 
 
 ATTEMPTS = 3  # of every S3 request (the clients' standard retry mode, and _Direct)
@@ -116,6 +121,18 @@ class RequestFailed(Exception):
     """S3 refused a request (its status and the start of its answer)."""
 
 
+def done(method: str, key: str, status: int, answer: bytes, attempt: int) -> bool:
+    """Whether attempt `attempt` of a request succeeded (False: try again);
+    ObjectExists or RequestFailed when it failed for good."""
+    if status in (200, 206):
+        return True
+    if status == 412:
+        raise ObjectExists(key)
+    if attempt == ATTEMPTS or not (status == 429 or status >= 500):
+        raise RequestFailed(f"{method} {key}: HTTP {status} {answer[:300]!r}")
+    return False
+
+
 class _Direct:
     """Single PUTs and GETs (blocking, thread-safe) signed by botocore's S3
     SigV4 signer and sent on botocore's HTTP session, with path-style
@@ -138,22 +155,27 @@ class _Direct:
         # without a proxy, each thread keeps one connection of the standard library's HTTP client:
         # urllib3's pool, retry and response layers cost 0.8 ms of CPU per 18 KiB PUT (of 1.8)
         url = urlsplit(self.base)
-        self._host, self._tls = url.netloc, url.scheme == "https"
-        self._tls_context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE")) if self._tls else None
+        self._host, self.tls = url.netloc, url.scheme == "https"
+        self.tls_context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE")) if self.tls else None
         self._local = threading.local()
         self._conns: list[http.client.HTTPConnection] = []
 
-    def put(self, key: str, body: bytes | bytearray, crc32c: str, if_none_match: bool) -> None:
-        """Raises ObjectExists if if_none_match and the key is taken."""
+    @staticmethod
+    def put_request(crc32c: str, if_none_match: bool) -> tuple[dict[str, str], dict[str, Any]]:
+        """A single PUT's headers and its signing context."""
         headers = {"x-amz-checksum-crc32c": crc32c, **({"If-None-Match": "*"} if if_none_match else {})}
         # as botocore's client marks a PutObject with a checksum: over https the body is not hashed again
         context = {"has_streaming_input": True,
                    "checksum": {"request_algorithm": {"in": "header", "name": "x-amz-checksum-crc32c"}}}
-        self._send("PUT", key, headers, body, context)
+        return headers, context
+
+    def put(self, key: str, body: bytes | bytearray, crc32c: str, if_none_match: bool) -> None:
+        """Raises ObjectExists if if_none_match and the key is taken."""
+        self._send("PUT", key, *self.put_request(crc32c, if_none_match), body)
 
     def get(self, key: str, byte_range: str | None) -> bytes:
         """The object, or the range of it (an HTTP Range value)."""
-        return self._send("GET", key, {"Range": byte_range} if byte_range else {}, b"", {})
+        return self._send("GET", key, {"Range": byte_range} if byte_range else {}, {})
 
     def list_page(self, prefix: str, delimiter: str, token: str | None
                   ) -> tuple[list[dict[str, Any]], list[str], str | None]:
@@ -163,8 +185,8 @@ class _Direct:
         botocore asks for them), so that no key can make the XML invalid."""
         query = {"list-type": "2", "prefix": prefix, "encoding-type": "url",
                  **({"delimiter": delimiter} if delimiter else {}), **({"continuation-token": token} if token else {})}
-        root = ElementTree.fromstring(self._send("GET", "", {}, b"", {}, urlencode(sorted(query.items()),
-                                                                                     quote_via=quote, safe="~")))
+        query_string = urlencode(sorted(query.items()), quote_via=quote, safe="~")
+        root = ElementTree.fromstring(self._send("GET", "", {}, {}, query=query_string))
         objects: list[dict[str, Any]] = []
         prefixes: list[str] = []
         token = None
@@ -183,27 +205,28 @@ class _Direct:
                 token = node.text
         return objects, prefixes, token if truncated else None
 
-    def _send(self, method: str, key: str, headers: dict[str, str], body: bytes | bytearray,
-              context: dict[str, Any], query: str = "") -> bytes:
-        url = self.base + quote(key, safe="/~") + (f"?{query}" if query else "")
+    def _send(self, method: str, key: str, headers: dict[str, str], context: dict[str, Any],
+              body: bytes | bytearray = b"", query: str = "") -> bytes:
         for attempt in range(1, ATTEMPTS + 1):
-            req = AWSRequest(method, url, data=body, headers=headers, stream_output=True)
-            req.context.update(context)
-            self.signer.add_auth(req)
             try:
-                status, answer = self._roundtrip(req)
-                if status in (200, 206):
-                    return answer
+                status, answer = self._roundtrip(self.signed(method, key, headers, context, body, query))
             except (HTTPClientError, urllib3.exceptions.HTTPError, http.client.HTTPException, OSError):
                 if attempt == ATTEMPTS:
                     raise
             else:
-                if status == 412:
-                    raise ObjectExists(key)
-                if attempt == ATTEMPTS or not (status == 429 or status >= 500):
-                    raise RequestFailed(f"{method} {key}: HTTP {status} {answer[:300]!r}")
+                if done(method, key, status, answer, attempt):
+                    return answer
             time.sleep(self.BACKOFF_S * 4 ** (attempt - 1))
         raise AssertionError("unreachable")
+
+    def signed(self, method: str, key: str, headers: dict[str, str], context: dict[str, Any],
+               body: bytes | bytearray, query: str = "") -> AWSRequest:
+        """A request for key, signed now (each attempt is signed anew)."""
+        url = self.base + quote(key, safe="/~") + (f"?{query}" if query else "")
+        req = AWSRequest(method, url, data=body, headers=headers, stream_output=True)
+        req.context.update(context)
+        self.signer.add_auth(req)
+        return req
 
     def _roundtrip(self, req: AWSRequest) -> tuple[int, bytes]:
         """Send a signed request: its status and whole body, read in one call and
@@ -214,8 +237,8 @@ class _Direct:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = (
-                http.client.HTTPSConnection(self._host, timeout=CONNECT_TIMEOUT_S, context=self._tls_context)
-                if self._tls else http.client.HTTPConnection(self._host, timeout=CONNECT_TIMEOUT_S))
+                http.client.HTTPSConnection(self._host, timeout=CONNECT_TIMEOUT_S, context=self.tls_context)
+                if self.tls else http.client.HTTPConnection(self._host, timeout=CONNECT_TIMEOUT_S))
             self._conns.append(conn)
         try:
             if conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
@@ -243,6 +266,116 @@ class _Direct:
             conn.close()
 
 
+class _LoopPuts:
+    """Single PUTs of bodies up to SMALL_PUT_BYTES, sent from the event loop
+    on keep-alive connections of asyncio's streams (up to BODY_THREADS at
+    once), signed and retried as _Direct's. In a thread a 14 KiB PUT cost
+    the process 410-460 µs of CPU, about 200 of them the trip through the
+    pool and back to the loop, and both the thread and the loop wanted the
+    GIL meanwhile; here it costs 205-215 µs (bench/README.md, session 61).
+    A larger body stays in a thread: what the socket does not take at once,
+    asyncio's transport copies and sends from the loop in pieces."""
+
+    def __init__(self, direct: _Direct) -> None:
+        self.direct = direct
+        url = urlsplit(direct.base)
+        default_port = 443 if direct.tls else 80
+        self._addr = url.hostname or "", url.port or default_port
+        host = f"[{self._addr[0]}]" if ":" in self._addr[0] else self._addr[0]  # an IPv6 address in brackets
+        self._host = host if self._addr[1] == default_port else f"{host}:{self._addr[1]}"  # signed as sent
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._slots = asyncio.Semaphore(BODY_THREADS)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def put(self, key: str, body: bytes | bytearray, crc32c: str, if_none_match: bool) -> None:
+        """As _Direct.put, awaited."""
+        headers, context = self.direct.put_request(crc32c, if_none_match)
+        headers["Host"] = self._host
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # connections and slots belong to the loop they were made in
+            self.close()
+            self._loop, self._slots = loop, asyncio.Semaphore(BODY_THREADS)
+        async with self._slots:
+            for attempt in range(1, ATTEMPTS + 1):
+                try:
+                    status, answer = await self._roundtrip(self.direct.signed("PUT", key, headers, context, body))
+                except (OSError, EOFError, ValueError):  # refused, reset, timed out, cut short, not HTTP
+                    if attempt == ATTEMPTS:
+                        raise
+                else:
+                    if done("PUT", key, status, answer, attempt):
+                        return
+                await asyncio.sleep(self.direct.BACKOFF_S * 4 ** (attempt - 1))
+
+    async def _roundtrip(self, req: AWSRequest) -> tuple[int, bytes]:
+        """Send a signed request on an idle connection (or a new one): its status and body."""
+        while self._idle:
+            reader, writer = self._idle.pop()
+            sock = writer.get_extra_info("socket")
+            if not (reader.at_eof() or writer.is_closing() or select.select([sock], [], [], 0)[0]):
+                break
+            writer.close()  # the server closed it while idle (or sent what nobody asked for)
+        else:
+            tls = self.direct.tls_context
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(*self._addr, ssl=tls,
+                                                               server_hostname=self._addr[0] if tls else None)
+        try:
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                url = urlsplit(req.url)
+                body = req.data
+                fields = "".join(f"{k}: {v}\r\n" for k, v in req.headers.items())
+                writer.write(f"{req.method} {url.path}{'?' + url.query if url.query else ''} HTTP/1.1\r\n"
+                             f"Content-Length: {len(body)}\r\n{fields}\r\n".encode("latin-1"))
+                writer.write(body)
+                status, answer, keep = await _response(reader)
+        except BaseException:
+            writer.close()  # cut short (or cancelled): the connection is in an unknown state
+            raise
+        if keep:
+            self._idle.append((reader, writer))
+        else:
+            writer.close()
+        return status, answer
+
+    def close(self) -> None:
+        for _, writer in self._idle:
+            with contextlib.suppress(RuntimeError):  # its loop is closed already
+                writer.close()
+        self._idle = []
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+    """An HTTP/1.1 response: its status, its body (by Content-Length,
+    chunked, or up to the close), and whether the connection may carry
+    another request."""
+    status_line = (await reader.readline()).split()
+    if len(status_line) < 2:
+        raise EOFError("no HTTP status line")
+    status, length, chunked, keep = int(status_line[1]), -1, False, status_line[0] == b"HTTP/1.1"
+    while (line := await reader.readline()) not in (b"\r\n", b"\n"):
+        if not line:
+            raise EOFError("the answer's headers were cut short")
+        name, _, value = line.partition(b":")
+        name, value = name.strip().lower(), value.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"transfer-encoding":
+            chunked = b"chunked" in value
+        elif name == b"connection":
+            keep = value == b"keep-alive" or (keep and value != b"close")
+    if chunked:
+        parts = []
+        while size := int((await reader.readline()).partition(b";")[0], 16):
+            parts.append(await reader.readexactly(size + 2))
+        while (await reader.readline()) not in (b"\r\n", b"\n", b""):  # trailers
+            pass
+        return status, b"".join(p[:-2] for p in parts), keep
+    if length < 0:
+        return status, await reader.read(), False
+    return status, await reader.readexactly(length), keep
+
+
 class ObjectStore:
     def __init__(self, bucket: str, endpoint: str | None = None, region: str | None = None,
                  access_key: str | None = None, secret_key: str | None = None,
@@ -261,6 +394,7 @@ class ObjectStore:
         self._client: Any = None
         self._blocking: Any = None  # the client that uploads parts, in _pool's threads
         self._direct: _Direct | None = None  # single PUTs and GETs, in _pool's threads
+        self._loop_puts: _LoopPuts | None = None  # small single PUTs, on the event loop (not through a proxy)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     @classmethod
@@ -275,6 +409,7 @@ class ObjectStore:
         self._blocking = sync_client(self.endpoint, self._region, *self._credentials, pool=BODY_THREADS)
         self._direct = _Direct(self.bucket, self.endpoint, self._region or "us-east-1", *self._credentials,
                                pool=BODY_THREADS)
+        self._loop_puts = _LoopPuts(self._direct) if self._direct.http is None else None
         self._pool = concurrent.futures.ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="s3-body")
 
     async def close(self) -> None:
@@ -286,7 +421,9 @@ class ObjectStore:
             self._blocking.close()
             if self._direct is not None:
                 self._direct.close()
-            self._pool = self._blocking = self._direct = None
+            if self._loop_puts is not None:
+                self._loop_puts.close()
+            self._pool = self._blocking = self._direct = self._loop_puts = None
 
     async def _in_thread(self, call: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
@@ -336,7 +473,10 @@ class ObjectStore:
                 crc = base64.b64encode(_native.crc32c(body).to_bytes(4, "big")).decode()
                 direct = self._direct
                 assert direct is not None, "store not started"
-                await self._in_thread(lambda: direct.put(key, body, crc, if_none_match))
+                if self._loop_puts is not None and len(body) <= SMALL_PUT_BYTES:
+                    await self._loop_puts.put(key, body, crc, if_none_match)
+                else:
+                    await self._in_thread(lambda: direct.put(key, body, crc, if_none_match))
 
     async def _put_multipart(self, key: str, data: bytes | bytearray | memoryview, if_none_match: bool,
                              part_size: int, at_once: int) -> None:

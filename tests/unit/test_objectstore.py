@@ -1,19 +1,29 @@
 """The S3 clients' endpoint cache works for every key of a bucket; single
-PUTs and GETs (signed and sent without botocore's client) are addressed,
-signed, conditional and retried as the clients would (against a local HTTP
-server; the integration tests use SeaweedFS)."""
+PUTs and GETs (signed and sent without botocore's client, in a thread, and
+small PUTs from the event loop) are addressed, signed, conditional and
+retried as the clients would (against a local HTTP server; the integration
+tests use SeaweedFS)."""
 from __future__ import annotations
 
+import asyncio
 import http.client
 import http.server
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import botocore.session
 import pytest
 
-from kafscale.storage.objectstore import UNUSED_ENDPOINT_PARAMS, ObjectExists, RequestFailed, _Direct, sync_client
+from kafscale.storage.objectstore import (
+    UNUSED_ENDPOINT_PARAMS,
+    ObjectExists,
+    RequestFailed,
+    _Direct,
+    _LoopPuts,
+    sync_client,
+)
 
 
 def _refs(node: object) -> set[str]:
@@ -52,6 +62,7 @@ class _Fake(http.server.BaseHTTPRequestHandler):
     seen: list[tuple[str, str, dict[str, str], bytes]] = []
     body = b""
     claimed: int | None = None
+    port = 0
 
     def _answer(self, status: int, body: bytes) -> None:
         self.send_response(status)
@@ -83,6 +94,7 @@ def fake_s3():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     _Fake.statuses, _Fake.seen, _Fake.body, _Fake.claimed = [], [], b"", None
+    _Fake.port = server.server_port
     direct = _Direct("bkt", f"http://127.0.0.1:{server.server_port}", "us-east-1", "key", "secret", pool=2)
     direct.BACKOFF_S = 0.001
     yield direct
@@ -90,27 +102,48 @@ def fake_s3():
     server.shutdown()
 
 
-def test_a_put_is_signed_addressed_by_path_and_conditional(fake_s3):
-    fake_s3.put("t/0/segment 1.kfs", bytearray(b"body"), "AAAAAA==", True)
+Put = Callable[[str, bytes | bytearray, str, bool], None]
+
+
+def putter(direct: _Direct, how: str) -> Iterator[Put]:
+    """direct's PUT in a thread's way, or from an event loop (_LoopPuts, on one loop throughout)."""
+    if how == "thread":
+        yield direct.put
+        return
+    loop, puts = asyncio.new_event_loop(), _LoopPuts(direct)
+    yield lambda *args: loop.run_until_complete(puts.put(*args))
+    puts.close()
+    loop.run_until_complete(asyncio.sleep(0))  # the connections' transports close
+    loop.close()
+
+
+@pytest.fixture(params=["thread", "loop"])
+def put(fake_s3, request) -> Iterator[Put]:
+    yield from putter(fake_s3, request.param)
+
+
+def test_a_put_is_signed_addressed_by_path_and_conditional(put):
+    put("t/0/segment 1.kfs", bytearray(b"body"), "AAAAAA==", True)
     [(_, path, headers, body)] = _Fake.seen
     assert path == "/bkt/t/0/segment%201.kfs" and body == b"body"
     assert headers["If-None-Match"] == "*" and headers["x-amz-checksum-crc32c"] == "AAAAAA=="
     assert headers["Authorization"].startswith("AWS4-HMAC-SHA256 Credential=key/")
+    assert "host;" in headers["Authorization"] and headers["Host"] == f"127.0.0.1:{_Fake.port}"
 
 
-def test_a_put_is_retried_on_5xx_and_429_only(fake_s3):
+def test_a_put_is_retried_on_5xx_and_429_only(put):
     _Fake.statuses = [503, 429]
-    fake_s3.put("k", b"x", "AAAAAA==", False)
+    put("k", b"x", "AAAAAA==", False)
     assert len(_Fake.seen) == 3 and "If-None-Match" not in _Fake.seen[0][2]
     _Fake.statuses = [412]
     with pytest.raises(ObjectExists):
-        fake_s3.put("k", b"x", "AAAAAA==", True)
+        put("k", b"x", "AAAAAA==", True)
     _Fake.statuses = [403]
     with pytest.raises(RequestFailed, match="HTTP 403"):
-        fake_s3.put("k", b"x", "AAAAAA==", True)
+        put("k", b"x", "AAAAAA==", True)
     _Fake.statuses = [500, 500, 500]
     with pytest.raises(RequestFailed, match="HTTP 500"):
-        fake_s3.put("k", b"x", "AAAAAA==", True)
+        put("k", b"x", "AAAAAA==", True)
     assert len(_Fake.seen) == 3 + 1 + 1 + 3
 
 
@@ -157,24 +190,66 @@ class _KeepAlive(_Fake):
         self.close_connection = drop
 
 
-def test_a_connection_is_kept_and_one_the_server_closed_meanwhile_is_not_used():
+@pytest.mark.parametrize("how", ["thread", "loop"])
+def test_a_connection_is_kept_and_one_the_server_closed_meanwhile_is_not_used(how):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     _KeepAlive.statuses, _KeepAlive.seen, _KeepAlive.ports, _KeepAlive.claimed = [], [], [], None
     direct = _Direct("bkt", f"http://127.0.0.1:{server.server_port}", "us-east-1", "key", "secret", pool=2)
     direct.BACKOFF_S = 10  # a retry would show as a 10 s wait
+    puts = putter(direct, how)
+    put = next(puts)
     try:
         for i in range(3):
-            direct.put(f"k{i}", b"x", "AAAAAA==", True)
+            put(f"k{i}", b"x", "AAAAAA==", True)
         _KeepAlive.drop = True
-        direct.put("k3", b"x", "AAAAAA==", True)
+        put("k3", b"x", "AAAAAA==", True)
         time.sleep(0.2)  # the server has closed it
         t = time.monotonic()
-        direct.put("k4", b"x", "AAAAAA==", True)
+        put("k4", b"x", "AAAAAA==", True)
         assert time.monotonic() - t < 5, "sent on the closed connection, then retried"
         assert len(set(_KeepAlive.ports[:4])) == 1 and _KeepAlive.ports[4] != _KeepAlive.ports[3]
         assert len(_KeepAlive.seen) == 5
     finally:
         _KeepAlive.drop = False
+        puts.close()
+        direct.close()
+        server.shutdown()
+
+
+class _Odd(_Fake):
+    """Refuses a PUT with its error in the two other ways HTTP/1.1 allows
+    for a body: chunked (then keeps the connection), or up to the close."""
+    protocol_version = "HTTP/1.1"
+
+    def do_PUT(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).seen.append(("PUT", self.path, dict(self.headers), b""))
+        self.send_response(403)
+        if self.path.endswith("chunked"):
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"6\r\n<Error\r\n9;ext=1\r\n>Denied</\r\n6\r\nError>\r\n0\r\n\r\n")
+        else:
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(b"<Error>Denied</Error>")
+            self.close_connection = True
+
+
+def test_a_put_from_the_loop_reads_a_chunked_answer_and_one_up_to_the_close():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Odd)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Odd.seen = []
+    direct = _Direct("bkt", f"http://127.0.0.1:{server.server_port}", "us-east-1", "key", "secret", pool=2)
+    puts = putter(direct, "loop")
+    put = next(puts)
+    try:
+        for key in ("a-chunked", "b-closed", "c-chunked"):
+            with pytest.raises(RequestFailed, match="HTTP 403 b'<Error>Denied</Error>'"):
+                put(key, b"x", "AAAAAA==", True)
+        assert len(_Odd.seen) == 3, "a 403 is not retried"
+    finally:
+        puts.close()
         direct.close()
         server.shutdown()
