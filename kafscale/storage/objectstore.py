@@ -270,7 +270,7 @@ class _LoopPuts:
     """Single PUTs of bodies up to SMALL_PUT_BYTES, sent from the event loop
     on keep-alive connections of asyncio's streams (up to BODY_THREADS at
     once), signed and retried as _Direct's. In a thread a 14 KiB PUT cost
-    the process 410-460 µs of CPU, about 200 of them the trip through the
+    the process 375-460 µs of CPU, about 200 of them the trip through the
     pool and back to the loop, and both the thread and the loop wanted the
     GIL meanwhile; here it costs 205-215 µs (bench/README.md, session 61).
     A larger body stays in a thread: what the socket does not take at once,

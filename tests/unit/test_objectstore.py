@@ -9,6 +9,7 @@ import asyncio
 import http.client
 import http.server
 import json
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -249,6 +250,33 @@ def test_a_put_from_the_loop_reads_a_chunked_answer_and_one_up_to_the_close():
             with pytest.raises(RequestFailed, match="HTTP 403 b'<Error>Denied</Error>'"):
                 put(key, b"x", "AAAAAA==", True)
         assert len(_Odd.seen) == 3, "a 403 is not retried"
+    finally:
+        puts.close()
+        direct.close()
+        server.shutdown()
+
+
+@pytest.mark.parametrize("how", ["thread", "loop"])
+def test_a_put_over_https_trusts_the_ca_bundle(how, certs, monkeypatch):
+    """An https endpoint: the server's certificate is checked against
+    AWS_CA_BUNDLE (as botocore's clients do), the request arrives whole and
+    signed for the host and port it was sent to."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(certs / "server.pem", certs / "server.key")
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Fake.statuses, _Fake.seen, _Fake.claimed = [], [], None
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(certs / "ca.pem"))
+    direct = _Direct("bkt", f"https://127.0.0.1:{server.server_port}", "us-east-1", "key", "secret", pool=2)
+    puts = putter(direct, how)
+    put = next(puts)
+    try:
+        put("t/0/a.kfs", bytearray(b"secret body" * 1000), "AAAAAA==", True)
+        put("t/0/b.kfs", b"again", "AAAAAA==", True)
+        assert [(p, b[:11], len(b), h["Host"]) for _, p, h, b in _Fake.seen] == [
+            ("/bkt/t/0/a.kfs", b"secret body", 11_000, f"127.0.0.1:{server.server_port}"),
+            ("/bkt/t/0/b.kfs", b"again", 5, f"127.0.0.1:{server.server_port}")]
     finally:
         puts.close()
         direct.close()
