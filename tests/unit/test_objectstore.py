@@ -281,3 +281,29 @@ def test_a_put_over_https_trusts_the_ca_bundle(how, certs, monkeypatch):
         puts.close()
         direct.close()
         server.shutdown()
+
+
+@pytest.mark.parametrize("how", ["thread", "loop"])
+def test_a_put_to_a_store_gone_away_raises_oserror_after_its_attempts(how):
+    """The server answered once and then went away (its connection closed,
+    nothing listening): the PUT tries ATTEMPTS times and raises an OSError,
+    which the node flush's upload retries."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _KeepAlive.statuses, _KeepAlive.seen, _KeepAlive.ports, _KeepAlive.claimed = [], [], [], None
+    direct = _Direct("bkt", f"http://127.0.0.1:{server.server_port}", "us-east-1", "key", "secret", pool=2)
+    direct.BACKOFF_S = 0.001
+    puts = putter(direct, how)
+    put = next(puts)
+    try:
+        _KeepAlive.drop = True  # the server closes the connection after its answer
+        put("k0", b"x", "AAAAAA==", True)
+        server.shutdown()
+        server.server_close()
+        with pytest.raises(OSError):
+            put("k1", b"x", "AAAAAA==", True)
+        assert len(_KeepAlive.seen) == 1
+    finally:
+        _KeepAlive.drop = False
+        puts.close()
+        direct.close()
