@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -157,11 +158,10 @@ class Ring:
     def __init__(self) -> None:
         self.out: set[int] = set()
         self.twice: list[int] = []
+        self._tokens = itertools.count()
 
     def payload(self, value: bytes) -> tuple[memoryview, Any]:
-        token = len(self.out) + 1000 * len(value)
-        while token in self.out:
-            token += 1
+        token = next(self._tokens)
         self.out.add(token)
 
         def release() -> None:
