@@ -27,14 +27,14 @@ A single PUT of up to SMALL_PUT_BYTES is not sent from a thread but from
 the event loop (`_LoopPuts`), signed and retried the same way: the trip
 through the pool and back cost about as much CPU as the rest of a small
 PUT. Larger bodies go through threads because a thread sends or receives
-a body with a few large socket calls outside the GIL. aiohttp, on Python 3.11, copies a
-PUT body three or four times on the event loop and reads a GET in 64-256 KiB
-chunks that wake the loop and are copied again to be joined; SeaweedFS also
-spends more CPU per byte on its smaller writes. Measured on the bench machine
-(four 14 MiB PUTs in flight): 120 MiB/s with aiohttp against 155 MiB/s with
-threads, at 2.0 against 1.4 client CPU-seconds per GiB; for reads, taking
-GETs off a protocol worker's loop made cold catch-up about 15% faster
-(bench/README.md)."""
+a body with a few large socket calls outside the GIL. aiohttp, on Python
+3.11, copies a PUT body three or four times on the event loop and reads a
+GET in 64-256 KiB chunks that wake the loop and are copied again to be
+joined; SeaweedFS also spends more CPU per byte on its smaller writes.
+Measured on the bench machine (four 14 MiB PUTs in flight): 120 MiB/s
+with aiohttp against 155 MiB/s with threads, at 2.0 against 1.4 client
+CPU-seconds per GiB; for reads, taking GETs off a protocol worker's loop
+made cold catch-up about 15% faster (bench/README.md)."""
 from __future__ import annotations
 
 import asyncio
