@@ -16,11 +16,12 @@ from aetcd import rpc, watcher
 
 class EtcdClient(aetcd.Client):
     async def range_page(self, start: bytes, end: bytes, limit: int, revision: int,
-                         keys_only: bool) -> tuple[list[Any], bool, int]:
-        """Up to limit key-values in [start, end) at revision (0: the newest):
-        (key-values with .key and .value, whether more follow, the revision read)."""
+                         keys_only: bool, min_mod_revision: int = 0) -> tuple[list[Any], bool, int]:
+        """Up to limit key-values in [start, end) at revision (0: the newest),
+        of those last written at min_mod_revision or later (0: all): (key-values
+        with .key and .value, whether more follow, the revision read)."""
         req = self._build_get_range_request(start, end, keys_only=keys_only)
-        req.limit, req.revision = limit, revision
+        req.limit, req.revision, req.min_mod_revision = limit, revision, min_mod_revision
         try:
             resp = await self.kvstub.Range(req, timeout=self._timeout, metadata=self.metadata)
         except rpc.AioRpcError as exc:

@@ -27,6 +27,7 @@ class KeyValue:
     value: bytes
     version: int
     lease: int
+    mod_revision: int = 0  # the revision that last wrote it
 
 
 @dataclass(frozen=True)
@@ -162,17 +163,18 @@ class MemoryEtcd:
         return self._data.get(key)
 
     async def range_page(self, start: bytes, end: bytes, limit: int, revision: int,
-                         keys_only: bool) -> tuple[list[KeyValue], bool, int]:
+                         keys_only: bool, min_mod_revision: int = 0) -> tuple[list[KeyValue], bool, int]:
         """Pages are read from the current state: the twin keeps no history, so
         the revision is reported but not honoured (MetaStore only passes it back),
-        except that one compacted away is refused, as etcd does."""
+        except that one compacted away is refused, as etcd does. As etcd, the
+        page is cut to limit after keys written before min_mod_revision are left out."""
         self._check()
         if 0 < revision < self.compacted:
             raise ClientError("etcdserver: mvcc: required revision has been compacted")
-        keys = sorted(k for k in self._data if start <= k < end)
+        keys = sorted(k for k, kv in self._data.items() if start <= k < end and kv.mod_revision >= min_mod_revision)
         page = [self._data[k] for k in keys[:limit]]
         if keys_only:
-            page = [KeyValue(kv.key, b"", kv.version, kv.lease) for kv in page]
+            page = [KeyValue(kv.key, b"", kv.version, kv.lease, kv.mod_revision) for kv in page]
         return page, len(keys) > limit, revision or self.revision
 
     async def compact(self, revision: int, physical: bool = False) -> None:
@@ -223,7 +225,8 @@ class MemoryEtcd:
                 old = self._data.get(op.key)
                 if op.lease and op.lease not in self._leases:
                     raise ValueError(f"lease {op.lease} not found")
-                kv = self._data[op.key] = KeyValue(op.key, bytes(op.value), (old.version if old else 0) + 1, op.lease)
+                kv = self._data[op.key] = KeyValue(op.key, bytes(op.value), (old.version if old else 0) + 1, op.lease,
+                                                    self.revision)
                 self._notify(Event("PUT", kv))
             else:
                 keys = [k for k in self._data if op.key <= k < op.range_end] if op.range_end else [op.key]

@@ -285,16 +285,19 @@ class MetaStore:
             self.client = None
 
     async def scan(self, prefix: bytes, keys_only: bool = False, page: int = SCAN_PAGE,
-                   start: bytes | None = None, end: bytes | None = None) -> AsyncIterator[Any]:
+                   start: bytes | None = None, end: bytes | None = None, revision: int = 0,
+                   changed_after: int = 0) -> AsyncIterator[Any]:
         """Every key-value under prefix (from start, before end, where given),
-        read in pages of `page` keys at one revision: a range that grows (a
-        partition's segment manifests, all the offsets) is read in replies of
-        a bounded size (see ETCD_MAX_REPLY_BYTES). Other work runs every SCAN_TURN
+        read in pages of `page` keys at one revision (the first page's, or the
+        one given): a range that grows (a partition's segment manifests, all the
+        offsets) is read in replies of a bounded size (see ETCD_MAX_REPLY_BYTES).
+        With changed_after, only the keys written after that revision. Other work runs every SCAN_TURN
         keys: a caller parsing a page of 1,000 partition states held the event
         loop for over 10 ms."""
-        start, end, revision = start or prefix, end or prefix_range_end(prefix), 0
+        start, end = start or prefix, end or prefix_range_end(prefix)
+        since = changed_after + 1 if changed_after else 0
         while True:
-            kvs, more, revision = await self.client.range_page(start, end, page, revision, keys_only)
+            kvs, more, revision = await self.client.range_page(start, end, page, revision, keys_only, since)
             for i, kv in enumerate(kvs, 1):
                 yield kv
                 if i % SCAN_TURN == 0:
@@ -612,11 +615,12 @@ class MetaStore:
             out[key] = out.get(key, 0) + json.loads(kv.value)["size"]
         return out
 
-    async def _partition_keys(self) -> AsyncIterator[tuple[str, str, Any]]:
+    async def _partition_keys(self, revision: int = 0, changed_after: int = 0
+                              ) -> AsyncIterator[tuple[str, str, Any]]:
         """(topic, partition as written in the key, state as JSON) of every
-        partition ever claimed, in one paged scan."""
+        partition ever claimed (at revision; written after changed_after), in one paged scan."""
         base = self.k("partitions", "")
-        async for kv in self.scan(base):
+        async for kv in self.scan(base, revision=revision, changed_after=changed_after):
             topic, _, p = kv.key[len(base):].decode().rpartition("/")
             yield name_of(topic), p, json.loads(kv.value)
 
@@ -625,16 +629,19 @@ class MetaStore:
         return {TopicPartition(topic, int(p)): PartitionState(**state)
                 async for topic, p, state in self._partition_keys()}
 
-    async def partition_marks(self) -> tuple[dict[str, int], dict[str, int]]:
-        """The high watermark and the log start offset of every partition ever
-        claimed, by "topic/partition": the collector's pass at 10,000
-        partitions made 40,000 objects of partition_states() at once, and the
-        garbage collector's scan of them held the event loop for 40-70 ms."""
-        hw, log_start = {}, {}
-        async for topic, p, state in self._partition_keys():
-            key = f"{topic}/{p}"
-            hw[key], log_start[key] = state["hw"], state["log_start"]
-        return hw, log_start
+    async def partition_marks(self, changed_after: int = 0) -> tuple[dict[str, dict[int, tuple[int, int]]], int]:
+        """The high watermark and the log start offset of every partition
+        claimed whose state was written after revision changed_after (0: of
+        every one ever claimed), by topic and partition, and the revision
+        read (the next call's changed_after). Tuples, not PartitionState: the
+        collector's pass at 10,000 partitions made 40,000 objects of
+        partition_states() at once, and the garbage collector's scan of them
+        held the event loop for 40-70 ms."""
+        revision = await self.revision()
+        marks: dict[str, dict[int, tuple[int, int]]] = {}
+        async for topic, p, state in self._partition_keys(revision, changed_after):
+            marks.setdefault(topic, {})[int(p)] = state["hw"], state["log_start"]
+        return marks, revision
 
     async def list_segments(self, topic: str, p: int) -> list[SegmentManifest]:
         out = [SegmentManifest(**json.loads(kv.value))

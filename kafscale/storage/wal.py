@@ -713,6 +713,11 @@ class Collector:
         self._seen: dict[bytes, Summary] = {}
         self._shared = SharedRanges()
         self._orphans_swept = 0.0
+        # every claimed partition's (high watermark, log start) by topic and partition, as of etcd
+        # revision _marks_at: a pass reads only the states written since (at 10,000 idle partitions,
+        # reading and parsing all of them was a quarter of the log process's CPU; bench/README.md)
+        self._marks: dict[str, dict[int, tuple[int, int]]] = {}
+        self._marks_at = 0
 
     async def run(self) -> int:
         """One pass; returns how many node objects it forgot. The directories
@@ -731,13 +736,16 @@ class Collector:
         dead: list[tuple[bytes, str]] = []
         if self._seen:  # nothing to decide otherwise (a cluster without node flushes reads no states)
             topics = {t.name: t.id.hex() for t in await self.meta.list_topics()}
-            hw, log_start = await self.meta.partition_marks()
+            changed, self._marks_at = await self.meta.partition_marks(self._marks_at)
+            for topic, marks in changed.items():
+                self._marks.setdefault(topic, {}).update(marks)
+            for topic in self._marks.keys() - topics.keys():  # deleted: its partitions' keys are gone
+                del self._marks[topic]
 
             def done(shared: bool, topic: str, tid: str, p: int, base: int, last: int) -> bool:
-                key = f"{topic}/{p}"
-                start = log_start.get(key)
-                return (topics.get(topic) != tid or start is None or start > last
-                        or (not shared and hw[key] > last) or (shared and self._shared.is_merged(tid, p, base, last)))
+                mark = self._marks.get(topic, {}).get(p)
+                return (topics.get(topic) != tid or mark is None or mark[1] > last
+                        or (not shared and mark[0] > last) or (shared and self._shared.is_merged(tid, p, base, last)))
 
             async for chunk in in_turns(list(self._seen.items()), 50):
                 dead += [(k, sm[0]) for k, sm in chunk if all(done(sm[1], *sl) for sl in summary_slices(sm))]

@@ -65,6 +65,12 @@ async def contract(meta: MetaStore, expire) -> None:
     assert sorted(v for k, v in await meta.wal_directories() if k in big) == sorted(
         b"%d:" % seq + b"d" * 150_000 for seq in range(1, 41))
     assert len(await meta.wal_directories_of(big)) == 40
+    marks, at = await meta.partition_marks()
+    assert set(marks) == {topic} and set(marks[topic]) == {0, 1}
+    assert (await meta.partition_marks(at))[0] == {}, "no state written since"
+    state, _ = await meta.claim_partition(topic, 1, 9)
+    changed, later = await meta.partition_marks(at)
+    assert changed == {topic: {1: (state.hw, state.log_start)}} and later > at
     history = await meta.revision()
     await meta.compact_history(history)
     await meta.compact_history(history)  # compacted already (by another cluster's broker or etcd itself): done
