@@ -495,6 +495,8 @@ class PartitionRegistry:
         freed = asyncio.Condition()
         slots = asyncio.Semaphore(COMPACTIONS_AT_ONCE)
         running: dict[PartitionLog, asyncio.Task[None]] = {}
+        assert self.flusher is not None
+        sliced = self.flusher.sliced
 
         async def compact(logs: list[PartitionLog], shared: bool) -> None:
             """Holds a slot; waits while the memory compactions hold would not fit in `limit` (one always may)."""
@@ -522,9 +524,12 @@ class PartitionRegistry:
                 now_ms, (lag_ms, small_lag_ms) = int(time.time() * 1000), self.compaction_lags()
                 spread = max(lag_ms / 2000 / COMPACTION_CHECK_S, 1)  # checks to start the due ones in
                 due = []
-                async for logs in in_turns(list(self.logs.values())):
-                    due += [lg for lg in logs
-                            if lg not in running and not lg.closed and lg.compaction_due(now_ms, lag_ms, small_lag_ms)]
+                async for logs in in_turns(list(sliced)):
+                    for lg in logs:
+                        if lg.closed or not lg.has_slices() or self.logs.get((lg.topic, lg.partition)) is not lg:
+                            sliced.pop(lg, None)
+                        elif lg not in running and lg.compaction_due(now_ms, lag_ms, small_lag_ms):
+                            due.append(lg)
                 due.sort(key=PartitionLog.oldest_slice_ms)
                 if not due:
                     await asyncio.sleep(COMPACTION_CHECK_S)

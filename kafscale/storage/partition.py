@@ -279,6 +279,7 @@ class PartitionLog(LogReader):
         """The node object holding these batches (a slice of it: manifest) is
         committed (and its slices are in the cache: NodeFlusher puts them all at once)."""
         self.add_segment(manifest)
+        self._sliced()
         self.hw = manifest.last + 1
         self._resolve(items)
         self._on_change(self, manifest)
@@ -306,6 +307,16 @@ class PartitionLog(LogReader):
         super().set_segments(segments)
         self._slice_count = self._slice_bytes = 0
         self._count_slices(itertools.takewhile(self._is_slice, reversed(segments)), 1)
+        if self._slice_count:
+            self._sliced()
+
+    def _sliced(self) -> None:
+        """This log holds committed slices: the compaction loop looks at it (NodeFlusher.sliced)."""
+        if self.node is not None:
+            self.node[0].sliced[self] = None
+
+    def has_slices(self) -> bool:
+        return self._slice_count > 0
 
     def add_segment(self, m: SegmentManifest) -> list[SegmentManifest]:
         # The usual case, a node object's slice after the others, is LogReader.add_segment's first

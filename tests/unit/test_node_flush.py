@@ -430,6 +430,9 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
         monkeypatch.setattr(registry, "compact_shared", compact_shared)
         loop = asyncio.create_task(reg.compaction_loop())
         await n.until(lambda: all(lg.oldest_slice_ms() == 0 for lg in logs))
+        await n.until(lambda: not reg.flusher.sliced)  # a check drops the logs with no slices left
+        await append(logs[3], batch(b"y"))
+        assert list(reg.flusher.sliced) == [logs[3]], "a committed slice brings its log back"
         loop.cancel()
         if shared:  # ten small ones: one shared object
             assert len(started) == 1 and sorted(started[0][1]) == list(range(10)), started
