@@ -30,6 +30,7 @@ class Cluster:
         self._brokers: dict[int, tuple[str, int]] = dict([self._own]) if self._own else {}
         self._ids = sorted(self._brokers)
         self._placed: dict[tuple[str, int], int] = {}  # desired owners under the current membership
+        self.generation = 0  # counts membership changes: placements change only with it
 
     @property
     def brokers(self) -> Mapping[int, tuple[str, int]]:
@@ -42,6 +43,7 @@ class Cluster:
         if ids != self._ids:
             self._ids = ids
             self._placed = {}
+            self.generation += 1
         self._brokers = live
 
     async def refresh(self) -> None:

@@ -281,6 +281,35 @@ def test_placement_follows_membership_changes():
     assert after == {p: rendezvous(f"p|t|{p}", [1, 2, 3]) for p in range(200)} and 3 in after.values()
 
 
+def test_the_balancer_asks_about_each_open_log_once_a_membership_and_hands_over_when_it_changes():
+    async def go():
+        n = Node()
+        await n.meta.create_topic(TOPIC, 8, {})
+        reg = PartitionRegistry(n.cfg, n.store, n.meta, DictCache(), Cluster(n.meta, n.cfg))
+        await reg.start(await n.etcd.lease(60))
+        logs = [await reg.partition_log(TOPIC, p) for p in range(8)]
+        asked, real = [], reg.cluster.desired_owner
+
+        def desired_owner(topic: str, p: int) -> int:
+            asked.append(p)
+            return real(topic, p)
+
+        reg.cluster.desired_owner = desired_owner  # type: ignore[method-assign]
+        await reg.hand_over_misplaced()
+        assert sorted(asked) == list(range(8)) and len(reg.logs) == 8, "alone: every partition stays"
+        asked.clear()
+        await reg.hand_over_misplaced()
+        assert asked == [], "placed here under this membership already"
+        reg.cluster.brokers = {1: ("h", 1), 2: ("h", 2)}  # a broker joins
+        await reg.hand_over_misplaced()
+        moved = {p for p in range(8) if rendezvous(f"p|{TOPIC}|{p}", [1, 2]) == 2}
+        assert sorted(asked) == list(range(8)) and moved
+        assert {p for _, p in reg.logs} == set(range(8)) - moved and all(logs[p].closed for p in moved)
+        await reg.close(drain_s=1)
+
+    run(go())
+
+
 def test_the_collector_keeps_an_object_of_a_partition_claimed_during_its_pass():
     """A partition claimed for the first time, and a node object committed for
     it, while a collection pass runs: the pass must not take the missing state
