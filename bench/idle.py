@@ -1,0 +1,75 @@
+"""What open partitions cost a broker while nothing is written: the CPU of
+its background passes (the compaction check, the collector, the balancer,
+retention), each P as a ratio to P = 1 in the same run.
+
+For each P, a fresh broker (its own cluster namespace in one etcd and one
+SeaweedFS) gets a topic of P partitions and one record to every partition
+(librdkafka, acks=all), which opens them all. Once every node object is
+compacted away (compaction lag 10 s, small partitions three lags: about
+30-45 s), the CPU each process uses over --seconds is read from /proc: the
+log process, the workers, etcd and SeaweedFS. SeaweedFS keeps its objects on
+a tmpfs (/dev/shm), as bench/partitions.py does.
+
+    python -m bench.idle [--partitions 1,1000,10000] [--seconds 30]
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+import uuid
+from pathlib import Path
+
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from bench.e2e import CpuMeter, broker_children, compacted_s, stack_dirs, start_broker
+from bench.partitions import open_all
+from kafscale.devstack import DevStack
+
+COMPACTED_WITHIN_S = 180  # the opening records' node objects are compacted away by then (else the run fails)
+
+
+def idle_cores(stack: DevStack, logdir: Path, partitions: int, seconds: float) -> dict[str, float]:
+    """The cores each process of the node and the stores used over `seconds` with P idle open partitions."""
+    cluster = f"idle{partitions}x{uuid.uuid4().hex[:4]}"
+    proc, bootstrap = start_broker(stack, logdir, cluster)
+    try:
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        admin.create_topics([NewTopic("idle", partitions, 1)])["idle"].result(60)
+        open_all(bootstrap, "idle", partitions)
+        if compacted_s(stack, cluster, COMPACTED_WITHIN_S) == float("inf"):
+            raise RuntimeError(f"P = {partitions}: node objects left after {COMPACTED_WITHIN_S} s")
+        log_process, *workers = broker_children(proc.pid)
+        etcd, weed = (p.pid for p in stack.procs)
+        with CpuMeter({"log process": [log_process], "workers": workers, "etcd": [etcd],
+                       "SeaweedFS": [weed]}) as cpu:
+            time.sleep(seconds)
+        return {k: v for k, v in cpu.cores.items() if k != "bench client"}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--partitions", default="1,1000,10000", help="comma-separated partition counts")
+    ap.add_argument("--seconds", type=float, default=30, help="how long the idle CPU is measured")
+    args = ap.parse_args()
+    counts = [int(p) for p in args.partitions.split(",")]
+    with stack_dirs(False) as (tmp, s3_dir):
+        stack = DevStack(data_dir=tmp, volume_mib=1024, s3_dir=s3_dir).start()
+        try:
+            runs = {p: idle_cores(stack, Path(tmp), p, args.seconds) for p in counts}
+        finally:
+            stack.stop()
+    base = runs[counts[0]]
+    print(f"idle open partitions, CPU cores over {args.seconds:.0f} s once every node object was compacted "
+          f"(ratio to P = {counts[0]} in brackets)")
+    print(f"{'P':>7} " + " ".join(f"{name:>20}" for name in base))
+    for p, cores in runs.items():
+        print(f"{p:>7} " + " ".join(f"{c:8.3f} ({c / base[name] if base[name] else float('nan'):6.2f})    "
+                                     for name, c in cores.items()))
+
+
+if __name__ == "__main__":
+    main()
