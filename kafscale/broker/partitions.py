@@ -426,7 +426,9 @@ class PartitionRegistry:
         """Release (after flushing) the partitions another broker should have
         now. A log found placed here stays so until the membership changes,
         so a pass asks only about the others (asking about every open log each
-        pass was a third of the CPU of a log process with 10,000 idle partitions)."""
+        pass was an eighth of the CPU of a log process with 10,000 idle
+        partitions, a third once the compaction check and the collector no
+        longer walked them all)."""
         if self._placed_at != self.cluster.generation:
             self._placed_here, self._placed_at = {}, self.cluster.generation
         elif len(self._placed_here) > len(self.logs):  # closed ones linger: keep the open ones
