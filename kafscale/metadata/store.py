@@ -110,17 +110,8 @@ class TopicCache:
         return meta
 
 
-class _JsonRecord:
-    __slots__ = ()
-
-    def to_json(self) -> bytes:
-        """Its fields as a JSON object (read straight from the slots: asdict's
-        deep copy was most of a compaction commit's encoding time)."""
-        return json.dumps({f: getattr(self, f) for f in self.__slots__}, sort_keys=True).encode()
-
-
 @dataclass(slots=True)
-class PartitionState(_JsonRecord):
+class PartitionState:
     owner: int
     epoch: int
     hw: int
@@ -132,9 +123,16 @@ class PartitionState(_JsonRecord):
         """(high watermark, log start offset); (0, 0) for a partition never claimed."""
         return (state.hw, state.log_start) if state is not None else (0, 0)
 
+    def to_json(self) -> bytes:
+        """Its fields as json.dumps(sort_keys=True) writes them (the same bytes:
+        tests/unit/test_partition.py), formatted directly: json.dumps of a dict
+        of the fields took 9 µs, a compaction encodes one a partition."""
+        return (f'{{"epoch": {self.epoch}, "fence": {json.dumps(self.fence)}, "hw": {self.hw}, '
+                f'"log_start": {self.log_start}, "owner": {self.owner}}}').encode()
+
 
 @dataclass(slots=True)
-class SegmentManifest(_JsonRecord):
+class SegmentManifest:
     base: int
     last: int
     count: int
@@ -150,6 +148,14 @@ class SegmentManifest(_JsonRecord):
     # where the segment starts in its object: -1 for a segment object of its own
     # (.kfs), else the byte position of this partition's slice of a node object
     pos: int = -1
+
+    def to_json(self) -> bytes:
+        """As PartitionState.to_json (16 µs through json.dumps, 2.6 formatted)."""
+        producers = json.dumps(self.producers, sort_keys=True) if self.producers else "{}"
+        return (f'{{"base": {self.base}, "count": {self.count}, "created_ms": {self.created_ms}, '
+                f'"key": {json.dumps(self.key)}, "last": {self.last}, "max_ts": {self.max_ts}, '
+                f'"min_ts": {self.min_ts}, "pos": {self.pos}, "producers": {producers}, "size": {self.size}}}'
+                ).encode()
 
     @property
     def ref(self) -> str:

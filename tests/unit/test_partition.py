@@ -7,7 +7,10 @@ start before deleting objects."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import math
+import random
 import struct
 
 import pytest
@@ -16,7 +19,7 @@ from kafscale import _native
 from kafscale.broker.produce_api import Acks, Deadlines
 from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
-from kafscale.metadata.store import MetaStore
+from kafscale.metadata.store import MetaStore, PartitionState, SegmentManifest
 from kafscale.protocol.errors import ErrorCode
 from kafscale.storage import partition
 from kafscale.storage.cache import CachedSegment
@@ -117,6 +120,27 @@ def append(lg: PartitionLog, payload: memoryview) -> asyncio.Future[int]:
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_states_and_manifests_are_encoded_as_json_dumps_with_sorted_keys_writes_them():
+    """Their to_json formats the fields itself; the bytes must stay those of
+    json.dumps(sort_keys=True), which wrote every key stored so far (a commit
+    compares a partition key with the exact bytes its owner wrote)."""
+    rnd = random.Random(7)
+
+    def sorted_dump(record):
+        return json.dumps(dataclasses.asdict(record), sort_keys=True).encode()
+
+    for _ in range(200):
+        n = [rnd.choice([-1, 0, rnd.randrange(1 << 62)]) for _ in range(9)]
+        text = rnd.choice(["", "a1b2", 'q"u\\ote', "ünï\ncode", "ns/wal/f00d/000000000001"])
+        producers = rnd.choice([{}, {"7": [0, [[0, 4, 10]]], "12": [3, [[5, 5, 2], [6, 9, 3]]]}])
+        state = PartitionState(n[0], n[1], n[2], n[3], text)
+        manifest = SegmentManifest(*n[:6], text, n[6], producers, n[7])
+        assert state.to_json() == sorted_dump(state)
+        assert manifest.to_json() == sorted_dump(manifest)
+        assert PartitionState(**json.loads(state.to_json())) == state
+        assert SegmentManifest(**json.loads(manifest.to_json())) == manifest
 
 
 def test_acknowledged_only_once_in_s3_and_committed_in_etcd():
