@@ -153,7 +153,7 @@ class RecentCache(SegmentSource, Protocol):
 
     def put_object(self, body: memoryview, entries: list[tuple[str, int, int, bytes]]) -> None:
         """Put the segments that lie back to back in body, each entry their key,
-        position, size and tables (shm.segment_tables): a node object's
+        position, size and tables (CachedSegment.tables): a node object's
         slices, committed together."""
         ...
 
@@ -571,7 +571,7 @@ class PartitionRegistry:
         if shared:
             assert self.flusher is not None
             await compact_shared(logs, self.cfg, self.store, self.meta, self.flusher.fence, next(self._shared_seqs),
-                                 self.flusher.topic_id)
+                                 self.flusher.topic_id, self.cache)
         else:
             await logs[0].compact()
 

@@ -36,7 +36,6 @@ import mmap
 import struct
 import sys
 import time
-from array import array
 from collections import OrderedDict, deque
 
 from kafscale import _native
@@ -116,13 +115,8 @@ _REF = struct.Struct("=qq")
 
 def cache_ref(start: int, n: int, tables: bytes) -> CacheRef:
     """A segment's entry: where it starts and its size, then its tables
-    (segment_tables, or a node slice's from _native.assemble_node)."""
+    (CachedSegment.tables, or a node slice's from _native.assemble_node)."""
     return _REF.pack(start, n) + tables
-
-
-def segment_tables(seg: CachedSegment) -> bytes:
-    """A segment's tables for its cache entry: its batches' base offsets, then their positions."""
-    return array("q", seg.bases).tobytes() + array("q", seg.positions).tobytes()
 
 
 def ref_position(ref: CacheRef) -> int:
@@ -158,7 +152,7 @@ class SharedCache:
         return any(_native.atomic_load(self.header, 64 + 8 * s) < floor for s in range(self.slots))
 
     def put(self, key: str, seg: CachedSegment) -> None:
-        self.put_object(memoryview(seg.data), [(key, 0, len(seg.data), segment_tables(seg))])
+        self.put_object(memoryview(seg.data), [(key, 0, len(seg.data), seg.tables())])
 
     def put_object(self, body: memoryview, entries: list[tuple[str, int, int, bytes]]) -> None:
         """Write segments that lie back to back in body (a node object's

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ class CachedSegment:
 
     @classmethod
     def from_tables(cls, data: memoryview, tables: memoryview) -> CachedSegment:
-        """data, with its tables (shm.segment_tables: base offsets, then positions, 8-byte integers)."""
+        """data, with its tables (tables(): base offsets, then positions, 8-byte integers)."""
         half = len(tables) // 2
         return cls(data, tables[:half].cast("q"), tables[half:].cast("q"))
 
@@ -35,6 +36,10 @@ class CachedSegment:
         _, body, _ = open_segment(data)
         infos = _native.scan_batches(body)
         return cls(data, [b.base_offset for b in infos], [HEADER_SIZE + b.position for b in infos])
+
+    def tables(self) -> bytes:
+        """Its tables for a shared-memory cache entry: its batches' base offsets, then their positions."""
+        return array("q", self.bases).tobytes() + array("q", self.positions).tobytes()
 
     def batches(self) -> memoryview:
         """Its batches: the bytes between the header and body_end."""

@@ -496,13 +496,14 @@ class PartitionLog(LogReader):
 
     def serve_compacted(self, manifest: SegmentManifest, built: Compaction) -> None:
         """Serve from a committed compacted segment instead of the slices (and
-        merged segments) it replaces, and count what it rewrote."""
-        merged, slices, seg = built
+        merged segments) it replaces, and count what it rewrote. The caller
+        put the segment in the cache first (a shared compaction puts all of
+        its object's segments at once)."""
+        merged, slices, _ = built
         node = metrics.node()
         metrics.COMPACTED_BYTES.labels(node, "slices").inc(sum(m.size for m in slices))
         if merged:
             metrics.COMPACTED_BYTES.labels(node, "merged").inc(sum(m.size for m in merged))
-        self.cache.put(manifest.ref, CachedSegment.from_built(seg))
         self.add_segment(manifest)
         self._on_change(self, manifest)
 
@@ -540,6 +541,7 @@ class PartitionLog(LogReader):
             if closed:
                 await self._delete_objects([manifest], "a compaction of a closed log")
                 return
+            self.cache.put(manifest.ref, CachedSegment.from_built(built[2]))
             self.serve_compacted(manifest, built)
 
     async def release_fence(self) -> None:

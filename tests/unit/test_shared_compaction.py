@@ -16,6 +16,7 @@ from kafscale import _native, metrics
 from kafscale.broker.partitions import compaction_batches
 from kafscale.metadata.store import SegmentManifest
 from kafscale.storage import scan
+from kafscale.storage.cache import CachedSegment
 from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import PartitionLog
 from kafscale.storage.reader import ReadBudget
@@ -72,7 +73,7 @@ def share(n: Node, flusher: NodeFlusher, logs: list[PartitionLog], seq: int = 1)
     """compact_shared of these logs into shared object seq of the flusher's fence."""
     topic_id = logs[0].node[2]
     return asyncio.ensure_future(compact_shared(logs, n.cfg, n.store, n.meta, flusher.fence, seq,
-                                                lambda _t: topic_id))
+                                                lambda _t: topic_id, flusher.cache))
 
 
 async def fill(logs: list[PartitionLog], rounds: int = 2) -> None:
@@ -95,6 +96,11 @@ def test_small_partitions_share_one_object_and_one_transaction_and_read_back():
             assert (lg.checkpoint, lg.hw, lg._slice_count) == (2, 2, 0)
             [m] = await n.meta.list_segments(TOPIC, lg.partition)
             assert m.key == shared_objects(n)[0] and m.pos >= 0 and (m.base, m.last) == (0, 1)
+            # in the cache (all five with one put_object), as in the object
+            cached, stored = flusher.cache.get(m.ref), CachedSegment.from_object(await n.store.get(
+                m.key, m.pos, m.pos + m.size))
+            assert bytes(cached.data) == bytes(stored.data)
+            assert (list(cached.bases), list(cached.positions)) == (stored.bases, stored.positions)
         for lg in logs:  # a new owner reads the segment from the shared object, at its position
             await lg.close()
             again = reopen(n, lg)

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kafscale.broker import shm
-from kafscale.broker.shm import CacheReader, SharedArea, SharedCache, ref_position, segment_tables
+from kafscale.broker.shm import CacheReader, SharedArea, SharedCache, ref_position
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE
 
@@ -109,7 +109,7 @@ def put_object(cache: SharedCache, *segments: tuple[str, int, int]) -> None:
     """A node object of segments (key, tag, size), back to back, into the cache."""
     body, entries = bytearray(), []
     for key, tag, n in segments:
-        entries.append((key, len(body), n, segment_tables(segment(tag, n))))
+        entries.append((key, len(body), n, segment(tag, n).tables()))
         body += bytes([tag]) * n
     cache.put_object(memoryview(body), entries)
 
