@@ -98,6 +98,9 @@ class Config:
     lease_ttl_s: int = _opt(6, "etcd lease TTL: a dead broker's partitions move after about this long")
     balance_interval_ms: int = _opt(2000, "how often a broker re-reads membership and hands partitions over")
     retention_check_ms: int = _opt(60_000, "how often partitions are checked against retention.ms/bytes")
+    delete_delay_ms: int = _opt(60_000, "an object compaction or retention left unnamed (a node object "
+                                "compacted away, a shared object whose segments are all gone) is deleted "
+                                "this long after, so reads in flight finish (Kafka's file.delete.delay.ms)")
     etcd_compaction_ms: int = _opt(60_000, "how often one broker of the cluster compacts etcd's history up to "
                                    "the revision it saw at its previous pass (etcd keeps every version of "
                                    "every key until then, and refuses writes at its quota); 0: never, for an "

@@ -595,7 +595,8 @@ class PartitionRegistry:
         one broker of the cluster, the one placement picks for it (every
         broker's pass would read and parse every directory)."""
         every_s = self.cfg.compaction_lag_ms / 2000
-        collector = Collector(self.meta, self.store, self.cfg.namespace, spread_s=every_s)
+        collector = Collector(self.meta, self.store, self.cfg.namespace, spread_s=every_s,
+                              delete_delay_s=self.cfg.delete_delay_ms / 1000)
         while True:
             await asyncio.sleep(every_s)
             if not self.cluster.collects():

@@ -57,7 +57,6 @@ MAX_UNCOMMITTED = 8  # node objects built and not yet committed (bounds their me
 # over 1.5 MiB, and a directory of MAX_SLICES slices is about 70 KB (300 KB and more when each is of another
 # topic with a long name)
 COMMIT_BYTES = 1 << 20
-GRACE_S = 60.0  # a forgotten node object is deleted this long after (readers in flight finish)
 # objects in one DeleteObjects request of a collector pass; a pass's requests are spread over the time to the
 # next one. SeaweedFS spends about 1 ms of CPU on each object deleted: the 350 node objects a pass forgets at
 # 100 partitions took it 0.3-0.4 s of a core at once, with the node flushes' PUTs waiting meanwhile
@@ -699,18 +698,19 @@ class Collector:
     """Forgets the node objects whose every slice is compacted (below its
     partition's checkpoint), before its log start, or of a deleted topic, and
     the shared segment objects whose every segment is before its log start,
-    of a deleted topic or merged into a later one, and deletes them GRACE_S later; every
+    of a deleted topic or merged into a later one, and deletes them delete_delay_s later; every
     ORPHAN_AGE_S / 2 it also deletes objects no directory names (uploads
     that never committed) once ORPHAN_AGE_S old. A directory never changes,
     so each is read and parsed once (a pass reads the wal/ and shared/ keys
     and only the directories it has not seen)."""
 
     def __init__(self, meta: MetaStore, store: ObjectStore, namespace: str, orphan_age_s: float = ORPHAN_AGE_S,
-                 spread_s: float = 0.0) -> None:
+                 spread_s: float = 0.0, delete_delay_s: float = 60.0) -> None:
         self.meta = meta
         self.store = store
         self.namespace = namespace
         self.orphan_age_s = orphan_age_s
+        self.delete_delay_s = delete_delay_s  # a forgotten object goes this long after (reads in flight finish)
         self.spread_s = spread_s  # a pass's deletes go out over this long (the time between passes)
         # wal/ or shared/ key -> the object's key, whether shared, and its slices as
         # (topic, topic id hex, partition, base and last offset)
@@ -758,7 +758,7 @@ class Collector:
             for k, _ in dead:
                 self._shared.remove(self._seen.pop(k))
             objects = [key for _, key in dead]
-            asyncio.get_running_loop().call_later(GRACE_S, lambda: asyncio.ensure_future(
+            asyncio.get_running_loop().call_later(self.delete_delay_s, lambda: asyncio.ensure_future(
                 _delete(self.store, objects, self.spread_s)))
         if time.monotonic() >= self._orphans_swept + self.orphan_age_s / 2:
             self._orphans_swept = time.monotonic()

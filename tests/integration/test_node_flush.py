@@ -181,7 +181,7 @@ def test_three_clients_on_a_thousand_partitions_one_object_per_flush(make_broker
 
 
 def test_compaction_rewrites_slices_into_segments_and_forgets_node_objects(make_broker, stack, topic_name):
-    b = make_broker(node_flush="true", compaction_lag_ms=500)
+    b = make_broker(node_flush="true", compaction_lag_ms=500, delete_delay_ms=2000)
     partitions = 20
     create_topic(b.bootstrap, topic_name, partitions=partitions)
     recs = [(i % partitions, f"v{i}".encode()) for i in range(2000)]
@@ -201,7 +201,7 @@ def test_compaction_rewrites_slices_into_segments_and_forgets_node_objects(make_
     assert {v: (p, o) for p, recs in served.items() for o, v in recs} == acked
     # the broker-less reader under the Spark source reads the compacted segments: every acknowledged record
     assert spark_read(stack, b.cluster, topic_name) == acked
-    deadline = time.monotonic() + 90  # the objects go a grace period after their directories
+    deadline = time.monotonic() + 30  # the objects go delete_delay_ms after their directories
     while s3_keys(stack, node_prefix(b.cluster)):
         assert time.monotonic() < deadline, "compacted node objects were not deleted"
         time.sleep(1)

@@ -8,7 +8,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from kafscale.protocol.errors import ErrorCode
-from kafscale.storage.wal import GRACE_S, shared_prefix
+from kafscale.storage.wal import shared_prefix
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 from tests.integration.rawclient import RawClient
 from tests.integration.test_groups import wait_for
@@ -42,7 +42,8 @@ def wait_for_log_start(bootstrap: str, topic: str, at_least: int, timeout: float
 def test_retention_bytes(make_broker, topic_name, stack, node_flush):
     """With node flushes, slices and the segments compacted from them (one each:
     segment.bytes is about one record, and merges stay within it) go alike."""
-    b = make_broker(retention_check_ms=300, node_flush=str(node_flush).lower(), compaction_lag_ms=300)
+    b = make_broker(retention_check_ms=300, node_flush=str(node_flush).lower(), compaction_lag_ms=300,
+                    delete_delay_ms=2000)
     create_topic(b.bootstrap, topic_name, config={"retention.bytes": "35000", "segment.bytes": "10000"})
     produce_segments(b.bootstrap, topic_name, 10)  # ~10 KiB each
     # 3 segments (~30 KB) fit in 35 KB, 4 do not; wait for the pass that saw all 10
@@ -50,9 +51,9 @@ def test_retention_bytes(make_broker, topic_name, stack, node_flush):
     lo = wait_for_log_start(b.bootstrap, topic_name, 7)
     assert lo == 7
     # the log start moves first; the segments below it are deleted right after (with node flushes each
-    # is in a shared object of its own, which the collector deletes a grace period after)
+    # is in a shared object of its own, which the collector deletes delete_delay_ms after forgetting it)
     objects = shared_prefix(b.cluster) if node_flush else f"{b.cluster}/{topic_name}/0/"
-    wait_for(lambda: len(s3_keys(stack, objects)) == 10 - lo, 30 + GRACE_S * node_flush,
+    wait_for(lambda: len(s3_keys(stack, objects)) == 10 - lo, 30,
              "the segments below the log start to be deleted from S3")
     wait_for(lambda: len(etcd_keys(stack, f"/kafscale/{b.cluster}/segments/{topic_name}/0/")) == 10 - lo, 30,
              "the manifests of the segments below the log start to go")
