@@ -705,7 +705,7 @@ class Collector:
     and only the directories it has not seen)."""
 
     def __init__(self, meta: MetaStore, store: ObjectStore, namespace: str, orphan_age_s: float = ORPHAN_AGE_S,
-                 spread_s: float = 0.0, delete_delay_s: float = 60.0) -> None:
+                 spread_s: float = 0.0, delete_delay_s: float = Config.delete_delay_ms / 1000) -> None:
         self.meta = meta
         self.store = store
         self.namespace = namespace
