@@ -9,6 +9,7 @@ partitions' committed slices and forgets node objects compacted away."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -504,7 +505,12 @@ class PartitionRegistry:
         (kafscale.storage.shared): one PUT and one transaction for up to
         SHARED_PARTITIONS of them. A partition with few bytes of slices waits
         longer, and the lag is shorter while the cache keeps slices for less
-        than three times the configured one (the method compaction_lags)."""
+        than three times the configured one (the method compaction_lags).
+        A compaction that leaves its partition with a whole segment.bytes of
+        slices still waiting checks again at once: one segment a check held
+        a partition written faster than segment.bytes a second (16 MiB/s)
+        ever further behind, until its slices left the cache and compaction
+        read each back with a GET (bench/README.md, session 64)."""
         limit = COMPACTION_MEMORY_SEGMENTS * self.cfg.segment_bytes
         free = [limit]
         freed = asyncio.Condition()
@@ -512,6 +518,13 @@ class PartitionRegistry:
         running: dict[PartitionLog, asyncio.Task[None]] = {}
         assert self.flusher is not None
         sliced = self.flusher.sliced
+        behind = asyncio.Event()  # a compaction left a whole segment of slices waiting: check again now
+
+        async def pause(seconds: float) -> None:
+            """Until the next check: `seconds`, or less once a compaction is behind."""
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(behind.wait(), seconds)
+            behind.clear()
 
         async def compact(logs: list[PartitionLog], shared: bool) -> None:
             """Holds a slot; waits while the memory compactions hold would not fit in `limit` (one always may)."""
@@ -533,6 +546,8 @@ class PartitionRegistry:
                 slots.release()
                 for lg in logs:
                     del running[lg]
+                if any(lg.holds_segment() and not lg.closed for lg in logs):
+                    behind.set()
 
         try:
             while True:
@@ -547,7 +562,7 @@ class PartitionRegistry:
                             due.append(lg)
                 due.sort(key=PartitionLog.oldest_slice_ms)
                 if not due:
-                    await asyncio.sleep(COMPACTION_CHECK_S)
+                    await pause(COMPACTION_CHECK_S)
                     continue
                 batches = compaction_batches(starting(due, spread, self.cfg.shared_compaction),
                                              self.cfg.shared_compaction)
@@ -559,7 +574,7 @@ class PartitionRegistry:
                         running.update((lg, task) for lg in logs)
                     else:
                         slots.release()
-                    await asyncio.sleep(COMPACTION_CHECK_S / len(batches))
+                    await pause(COMPACTION_CHECK_S / len(batches))
         finally:  # the running ones finish (one of a log closed meanwhile commits nothing): one cancelled
             # in its commit left the partition key unknown, and the partition's hand-over then failed
             if running:

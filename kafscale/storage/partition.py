@@ -361,7 +361,11 @@ class PartitionLog(LogReader):
             return False
         age = now_ms - self.oldest_slice_ms()
         n = self._slice_bytes
-        return age >= small_lag_ms or n >= self.segment_bytes or (age >= lag_ms and n >= SMALL_SLICES_BYTES)
+        return age >= small_lag_ms or self.holds_segment() or (age >= lag_ms and n >= SMALL_SLICES_BYTES)
+
+    def holds_segment(self) -> bool:
+        """Whether the committed slices hold a whole segment.bytes (compaction is due at once)."""
+        return self._slice_bytes >= self.segment_bytes
 
     def oldest_slice_ms(self) -> int:
         """When the oldest committed slice was created (0 with none)."""

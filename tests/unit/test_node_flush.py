@@ -474,6 +474,39 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
     run(go())
 
 
+def test_a_partition_with_segments_of_slices_waiting_is_compacted_without_waiting_a_check_each(monkeypatch):
+    """A compaction takes at most segment.bytes of a partition's slices. One
+    that leaves a whole segment.bytes more waiting starts the next at once:
+    with one compaction a check (a second), a partition written faster than
+    segment.bytes a second fell ever further behind. Here a check is an hour
+    apart, so only that brings the slices below a segment's worth."""
+    from kafscale.broker import partitions as registry
+
+    monkeypatch.setattr(registry, "COMPACTION_CHECK_S", 3600.0)
+
+    async def go():
+        n = Node()
+        reg = await n.topic_registry(1, compaction_lag_ms=3_600_000, segment_bytes=4096, shared_compaction=False)
+        lg = await reg.partition_log(TOPIC, 0)
+        for i in range(20):  # a node object each: about five segments' worth of slices
+            await append(lg, batch(bytes([97 + i]) * 1000))
+        assert lg.holds_segment() and lg.compaction_bytes() <= 4096
+        loop = asyncio.create_task(reg.compaction_loop())
+        await n.until(lambda: not lg.holds_segment())
+        loop.cancel()
+        compacted = lg.segments[:len(lg.segments) - len(lg._slices())]
+        assert len(compacted) >= 4, "a compacted segment for each segment's worth"
+        values = []
+        for m in compacted:
+            data = await n.store.get(m.key)
+            values += [r.value for r in decode_records(m.base, data[HEADER_SIZE:len(data) - FOOTER_SIZE], 0)[0]]
+        assert values == [bytes([97 + i]) * 1000 for i in range(len(values))], "every record once, in order"
+        assert lg.checkpoint == len(values) == lg._slices()[0].base
+        await reg.close(drain_s=1)
+
+    run(go())
+
+
 def test_compaction_reads_its_slices_from_a_cache_that_keeps_them_for_less_than_the_lag(monkeypatch):
     """A cache written faster than it keeps slices for compaction_lag_ms
     brings compaction forward, so that compaction finds its slices there: it
