@@ -507,7 +507,8 @@ class PartitionRegistry:
         longer, and the lag is shorter while the cache keeps slices for less
         than three times the configured one (the method compaction_lags).
         A compaction that leaves its partition with a whole segment.bytes of
-        slices still waiting checks again at once: one segment a check held
+        slices still waiting (and moved its checkpoint: a failed one waits
+        for the next check) checks again at once: one segment a check held
         a partition written faster than segment.bytes a second (16 MiB/s)
         ever further behind, until its slices left the cache and compaction
         read each back with a GET (bench/README.md, session 64)."""
@@ -528,6 +529,7 @@ class PartitionRegistry:
 
         async def compact(logs: list[PartitionLog], shared: bool) -> None:
             """Holds a slot; waits while the memory compactions hold would not fit in `limit` (one always may)."""
+            checkpoints = [lg.checkpoint for lg in logs]
             try:
                 need = min(2 * sum(compaction_bytes(lg, shared) for lg in logs), limit)
                 async with freed:
@@ -546,7 +548,8 @@ class PartitionRegistry:
                 slots.release()
                 for lg in logs:
                     del running[lg]
-                if any(lg.holds_segment() and not lg.closed for lg in logs):
+                if any(lg.checkpoint > before and lg.holds_segment() and not lg.closed  # not when it failed
+                       for lg, before in zip(logs, checkpoints, strict=True)):
                     behind.set()
 
         try:

@@ -502,6 +502,21 @@ def test_a_partition_with_segments_of_slices_waiting_is_compacted_without_waitin
             values += [r.value for r in decode_records(m.base, data[HEADER_SIZE:len(data) - FOOTER_SIZE], 0)[0]]
         assert values == [bytes([97 + i]) * 1000 for i in range(len(values))], "every record once, in order"
         assert lg.checkpoint == len(values) == lg._slices()[0].base
+
+        tried = []
+
+        async def failing() -> None:  # as when S3 refuses the segment: it is tried at the next check, not at once
+            tried.append(time.monotonic())
+            raise OSError("S3 is down")
+
+        lg.compact = failing  # type: ignore[method-assign]
+        for _ in range(8):
+            await append(lg, batch(b"y" * 1000))
+        loop = asyncio.create_task(reg.compaction_loop())
+        await n.until(lambda: tried)
+        await asyncio.sleep(0.2)
+        loop.cancel()
+        assert len(tried) == 1, "a failed compaction waits for the next check"
         await reg.close(drain_s=1)
 
     run(go())
