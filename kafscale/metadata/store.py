@@ -443,14 +443,14 @@ class MetaStore:
         holds something else."""
         tx = self.client.transactions
         ops = [tx.put(self.k("shared", fence, f"{seq:012d}"), directory)]
-        for topic, p, _, state, m, gone in parts:
-            ops += [tx.put(self.k("partitions", topic, p), state),
-                    tx.put(self.k("segments", topic, p, f"{m.base:020d}"), m.to_json())]
+        compare = []
+        for topic, p, raw, state, m, gone in parts:
+            key = self.k("partitions", topic, p)
+            compare.append(tx.value(key) == raw)
+            ops += [tx.put(key, state), tx.put(self.k("segments", topic, p, f"{m.base:020d}"), m.to_json())]
             ops += [tx.delete(self.k("segments", topic, p, f"{base:020d}")) for base in gone if base != m.base]
         assert len(parts) <= TXN_MAX_OPS and len(ops) <= TXN_MAX_OPS, "see SHARED_PARTITIONS"
-        ok, _ = await self.client.transaction(
-            compare=[tx.value(self.k("partitions", topic, p)) == raw for topic, p, raw, *_ in parts],
-            success=ops, failure=[])
+        ok, _ = await self.client.transaction(compare=compare, success=ops, failure=[])
         return bool(ok)
 
     async def fences(self) -> set[str]:
