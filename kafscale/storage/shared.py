@@ -175,7 +175,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
     if not shares:
         return 0
 
-    written, dir_raw = shares[:], directory(key, created, shares, ids)  # the object's own directory
+    sealed, dir_raw = len(shares), directory(key, created, shares, ids)  # the object's own directory and its rows
     body = seal(bytearray().join([builts[s.log][2].data for s in shares]), dir_raw)
     await upload(store, key, body, cfg.s3_timeout_s)
     faults.reached("mid-compaction")
@@ -192,7 +192,8 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
                 return
             states = [s.log.compacted_state(builts[s.log][2]).to_json() for s in shares]
             t = time.perf_counter()
-            committing = dir_raw if shares == written else directory(key, created, shares, ids)  # some handed over
+            # shares are only ever left out: fewer than sealed means some were handed over or moved
+            committing = dir_raw if len(shares) == sealed else directory(key, created, shares, ids)
             ok = await meta.commit_shared(fence, seq, committing,
                                           [(s.log.topic, s.log.partition, s.log.state_raw(), st, s.manifest,
                                             [m.base for m in builts[s.log][0]])
