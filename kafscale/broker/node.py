@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_S = 10  # on shutdown, how long queued produce data may take to become durable
 HANDOVER_S = 5  # and then how long releasing partitions and groups in etcd may take
+REVOKE_S = 1  # and then deregistering (an etcd that does not answer: the lease's TTL deregisters)
 
 
 class StartupError(RuntimeError):
@@ -108,17 +109,26 @@ class BrokerNode:
                 log.warning("broker lease refresh failed: %s", exc)
 
     async def stop(self) -> None:
+        await self.hand_over()
+        await self.close()
+
+    async def hand_over(self) -> None:
+        """Flush what producers wait on (they still get their acks) and release
+        the partitions and groups, within DRAIN_S + HANDOVER_S."""
         if self._keepalive:
             self._keepalive.cancel()
-        if self.broker:  # flush and hand over first: waiting producers still get their acks
+        if self.broker:
             try:
                 await asyncio.wait_for(self.broker.close(DRAIN_S), DRAIN_S + HANDOVER_S)
             except TimeoutError:
                 log.warning("hand-over did not finish within %ds; stopping anyway (leases expire)",
                             DRAIN_S + HANDOVER_S)
+
+    async def close(self) -> None:
+        """Deregister, and close the etcd and S3 clients."""
         if self._lease is not None:  # deregister at once rather than after the TTL
             with contextlib.suppress(Exception):
-                await self._lease.revoke()
+                await asyncio.wait_for(self._lease.revoke(), REVOKE_S)
         await self.store.close()
         await self.meta.close()
 
@@ -147,5 +157,6 @@ async def run_log_process(cfg: Config, area: SharedArea, socket_path: str, ready
     log.info("shutting down")
     if admin is not None:
         await admin.close()
-    await node.stop()
-    await service.close()
+    await node.hand_over()
+    await service.close()  # the workers close their connections: no request reaches the clients closed next
+    await node.close()

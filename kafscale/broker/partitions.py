@@ -392,8 +392,17 @@ class PartitionRegistry:
     def open_soon(self, topic: str, p: int) -> None:
         """Start opening a partition that is neither open nor opening, without
         waiting for it; whoever needs it awaits partition_log, which joins the
-        open under way (a failed open is reported there, and tried again)."""
+        open under way (a failed open is reported there, and tried again).
+        One this broker may not open now (it is shutting down, or the
+        partition belongs elsewhere) starts nothing: partition_log refuses it.
+        A task per refused partition and request, each only to raise, flooded
+        the event loop while a stopping broker's producers retried 100
+        partitions: its stop waited seconds behind them."""
         if self.is_open(topic, p) or TopicPartition(topic, p) in self._opening:
+            return
+        try:
+            self._may_open(topic, p)
+        except LogError:
             return
         task = asyncio.ensure_future(self.partition_log(topic, p))
         self._open_tasks.add(task)

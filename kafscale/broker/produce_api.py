@@ -147,7 +147,8 @@ class ProduceApi(PartitionApi):
         whose partitions are open (nearly all) is appended without waiting
         for anything, no coroutine of its own, but other work gets a turn
         every APPEND_TURN partition batches."""
-        if hdr.append_order.locked():  # an earlier call is appending: open what these need meanwhile
+        opening = hdr.append_order.locked()
+        if opening:  # an earlier call is appending: open what these need meanwhile
             self._start_opening(hdr, reqs)
         topics: dict[str, _Topic] = {}  # looked up once for the call: its requests share a principal
         acks = {timeout_ms: Acks() for timeout_ms in {req[1] for req in reqs}}
@@ -160,7 +161,9 @@ class ProduceApi(PartitionApi):
                     try:
                         logs = self._resolve(hdr, req, topics, None)
                         if logs is None:  # a topic to look up or a partition to open first
-                            self._start_opening(hdr, reqs[i + 1:])
+                            if not opening:  # once a call: for every request, a pass over all later ones
+                                self._start_opening(hdr, reqs[i + 1:])  # held a stopping broker's loop 5 s
+                                opening = True
                             logs = self._resolve(hdr, req, topics, await self._open(hdr, req, topics))
                             assert logs is not None
                         answer: ProduceAnswer = []
@@ -321,17 +324,22 @@ class ProduceApi(PartitionApi):
         request per partition; a first produce to a large topic reaches every
         partition) then open all at once, not one after another behind the
         connection's append order."""
+        if self.partitions.closing:  # nothing opens any more
+            return
+        wanted: dict[str, dict[int, None]] = {}  # each partition once, in the order the requests name them
         for req in reqs:
             for name, partition_data in req[3]:
-                meta = self.partitions.topics.get(name)
-                if meta is None:
-                    continue
-                closed = [p for p, _ in partition_data if not self.partitions.is_open(meta.name, p)]
-                if not closed or not self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, meta.name):
-                    continue
-                for p in closed:
-                    if has_partition(meta, p):
-                        self.partitions.open_soon(meta.name, p)
+                wanted.setdefault(name, {}).update((p, None) for p, _ in partition_data)
+        for name, parts in wanted.items():
+            meta = self.partitions.topics.get(name)
+            if meta is None:
+                continue
+            closed = [p for p in parts if not self.partitions.is_open(meta.name, p)]
+            if not closed or not self.access.allowed(hdr, Operation.WRITE, ResourceType.TOPIC, meta.name):
+                continue
+            for p in closed:
+                if has_partition(meta, p):
+                    self.partitions.open_soon(meta.name, p)
 
     async def init_producer_id(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         if req.get("transactional_id") is not None:

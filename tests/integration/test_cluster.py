@@ -12,11 +12,14 @@ import time
 from collections import Counter
 
 import aetcd
+import pytest
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
 from kafscale.broker.cluster import rendezvous
 from kafscale.broker.node import DRAIN_S, HANDOVER_S
+from kafscale.devstack import DevStack
+from tests.conftest import BrokerProcess
 from tests.integration.clients import confluent_consume, create_topic
 from tests.integration.test_groups import Member, wait_for
 
@@ -235,6 +238,64 @@ def test_rolling_restart_under_load(make_cluster, topic_name, tmp_path):
         wait_for(lambda: len(stream.acked) > before + 500, 60, "acks after the rolling restart")
     finally:
         drain_and_verify(stream, member, boot, topic_name, 6)
+
+
+@pytest.mark.parametrize("server", ["weed", "etcd"])
+def test_a_broker_stops_within_its_bounds_while_a_server_answers_nothing(tmp_path, topic_name, server):
+    """SIGTERM while producers wait on 100 partitions and S3 or etcd answers
+    nothing (its server SIGSTOPped: the test's own, so the shared ones stay
+    up): node flushes, compactions and commits retry until they are
+    cancelled, and the broker gives up the drain and hand-over at their
+    bounds and exits by itself. Before, a stop while S3 answered nothing took
+    20 to 57 s: every produce request the stopping broker refused made a pass
+    over the rest of its call's requests, each partition of each starting an
+    open only to be refused, and that held the log process's event loop for
+    seconds at a time (a CI run's gate once waited 30 s for a broker's exit in
+    vain)."""
+    own = DevStack(data_dir=str(tmp_path / "stack")).start()
+    paused = next(p for p in own.procs if server in p.args[0])
+    b = BrokerProcess(own, tmp_path, "stall")
+    stop = threading.Event()
+    acked = [0]
+
+    def produce() -> None:
+        p = Producer({"bootstrap.servers": b.bootstrap, "acks": "all", "linger.ms": 5})
+
+        def cb(err, _msg) -> None:
+            acked[0] += err is None
+
+        i = 0
+        while not stop.is_set():
+            try:
+                p.produce(topic_name, value=bytes(1024), partition=i % 100, on_delivery=cb)
+                i += 1
+            except BufferError:
+                pass
+            p.poll(0.001)
+
+    t = threading.Thread(target=produce)
+    try:
+        b.start()
+        create_topic(b.bootstrap, topic_name, partitions=100)
+        t.start()
+        wait_for(lambda: acked[0] > 2000, 60, "acks before the server stalls")
+        paused.send_signal(signal.SIGSTOP)
+        time.sleep(3)  # node flushes, compactions and their retries now wait on it
+        assert b.proc is not None
+        began = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        b.proc.wait(120)
+        took = time.monotonic() - began
+        assert b.proc.returncode == 0, b.log()[-3000:]
+        assert took < DRAIN_S + HANDOVER_S + 3, f"shutdown took {took:.1f}s"
+        assert "Traceback" not in b.log(), b.log()[-3000:]
+    finally:
+        paused.send_signal(signal.SIGCONT)
+        stop.set()
+        if t.is_alive():
+            t.join()
+        b.stop()
+        own.stop()
 
 
 def test_drain_hands_everything_over(make_cluster, topic_name, tmp_path):
