@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 import struct
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -187,9 +189,19 @@ def e2e_rounds(dev_stack) -> tuple[list[float], list[float]]:
                 ratios.append(E2E_MIB / seconds / raw)
                 wide, _ = produce(bootstrap, "gate-100", 100, 1024, E2E_MIB * MIB)
                 spread.append(seconds / wide)
-        finally:
-            proc.terminate()
-            proc.wait(30)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            for f in Path(logdir).iterdir():  # pytest shows it with the error
+                print(f"--- {f.name}, last 100 lines:", *f.read_text(errors="replace").splitlines()[-100:],
+                      sep="\n", file=sys.stderr)
+            raise
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"the broker did not exit within 60 s of SIGTERM:\n{next(Path(logdir).iterdir()).read_text()}")
     return ratios, spread
 
 
