@@ -247,7 +247,7 @@ def test_a_broker_stops_within_its_bounds_while_a_server_answers_nothing(tmp_pat
     up): node flushes, compactions and commits retry until they are
     cancelled, and the broker gives up the drain and hand-over at their
     bounds and exits by itself. Before, a stop while S3 answered nothing took
-    20 to 57 s: every produce request the stopping broker refused made a pass
+    up to 58 s: every produce request the stopping broker refused made a pass
     over the rest of its call's requests, each partition of each starting an
     open only to be refused, and that held the log process's event loop for
     seconds at a time (a CI run's gate once waited 30 s for a broker's exit in
