@@ -19,7 +19,7 @@ pytest.importorskip("pyspark")
 NoSuchTableError = pytest.importorskip("pyiceberg.exceptions").NoSuchTableError
 
 MAX_RECORDS = 300
-PER_PARTITION = 5000
+PER_PARTITION = 2000
 
 
 def processor(broker, tmp_path, topic: str, warehouse: str | None, *extra: str) -> subprocess.Popen[bytes]:
