@@ -192,17 +192,21 @@ def e2e_rounds(dev_stack) -> tuple[list[float], list[float]]:
         except BaseException:
             proc.kill()
             proc.wait()
-            for f in Path(logdir).iterdir():  # pytest shows it with the error
-                print(f"--- {f.name}, last 100 lines:", *f.read_text(errors="replace").splitlines()[-100:],
-                      sep="\n", file=sys.stderr)
+            print(broker_logs(Path(logdir)), file=sys.stderr)  # pytest shows it with the error
             raise
         proc.terminate()
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            pytest.fail(f"the broker did not exit within 60 s of SIGTERM:\n{next(Path(logdir).iterdir()).read_text()}")
+            pytest.fail(f"the broker did not exit within 60 s of SIGTERM:\n{broker_logs(Path(logdir))}")
     return ratios, spread
+
+
+def broker_logs(logdir: Path) -> str:
+    """The last 100 lines of each log in logdir (bytes that are not UTF-8 replaced, not raised)."""
+    return "\n".join(f"--- {f.name}, last 100 lines:\n" + "\n".join(f.read_text(errors="replace").splitlines()[-100:])
+                     for f in logdir.iterdir())
 
 
 def e2e_gate(benchmark: Any, name: str, rounds: list[float], floor: float, what: str) -> None:
