@@ -161,8 +161,9 @@ class ProduceApi(PartitionApi):
                     try:
                         logs = self._resolve(hdr, req, topics, None)
                         if logs is None:  # a topic to look up or a partition to open first
-                            if not opening:  # once a call: for every request, a pass over all later ones
-                                self._start_opening(hdr, reqs[i + 1:])  # held a stopping broker's loop 5 s
+                            if not opening:  # once a call (a pass over the later requests for each
+                                # request that waited was quadratic: it held a stopping broker's loop for 5 s)
+                                self._start_opening(hdr, reqs[i + 1:])
                                 opening = True
                             logs = self._resolve(hdr, req, topics, await self._open(hdr, req, topics))
                             assert logs is not None
