@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +43,8 @@ from aetcd.utils import prefix_range_end
 from kafscale.metadata.etcd_client import EtcdClient
 from kafscale.protocol.types import TopicPartition
 from kafscale.security.acl import AclBinding
+
+log = logging.getLogger(__name__)
 
 
 class Fenced(Exception):
@@ -204,6 +207,8 @@ WAL_GETS = 32  # more new directories than this are read by a scan, not one get 
 # directory was committed within etcd's 1.5 MiB request limit, so a page is at most 75 MiB)
 ETCD_MAX_REPLY_BYTES = 256 << 20
 CAS_ATTEMPTS = 50  # a compare-and-swap that keeps losing to other writers gives up after this many tries
+# an unconditional write whose outcome etcd left unknown (a timeout, a lost connection) is sent this many times
+UNCERTAIN_WRITE_ATTEMPTS = 3
 
 
 class Contended(RuntimeError):
@@ -658,9 +663,26 @@ class MetaStore:
     # ---------------------------------------------------------------- offsets
     async def _write_all(self, ops: list[Any]) -> None:
         """Unconditional writes, one transaction per TXN_MAX_OPS operations
-        (etcd refuses larger ones): all-or-nothing within each."""
+        (etcd refuses larger ones): all-or-nothing within each.
+
+        A transaction whose outcome is unknown (the client's deadline passed
+        or the connection dropped: etcd may still apply it) is sent again
+        until etcd answers, up to UNCERTAIN_WRITE_ATTEMPTS times. The writes
+        are idempotent, and the copy sent again is proposed after the first,
+        so once this returns no earlier copy can land later.
+        Without it a timed-out OffsetCommit was answered with an error, the
+        client's next commit of the same partition was written, and then the
+        first one could still be applied over it: the committed offset went
+        back."""
         for i in range(0, len(ops), TXN_MAX_OPS):
-            await self.client.transaction(compare=[], success=ops[i:i + TXN_MAX_OPS], failure=[])
+            for attempt in range(1, UNCERTAIN_WRITE_ATTEMPTS + 1):
+                try:
+                    await self.client.transaction(compare=[], success=ops[i:i + TXN_MAX_OPS], failure=[])
+                    break
+                except (aetcd.exceptions.ConnectionTimeoutError, aetcd.exceptions.ConnectionFailedError) as exc:
+                    if attempt == UNCERTAIN_WRITE_ATTEMPTS:
+                        raise
+                    log.warning("etcd write of %d keys: outcome unknown (%r), sending it again", len(ops), exc)
 
     async def commit_offsets(self, group: str, offsets: dict[TopicPartition, dict[str, Any]]) -> None:
         """Write a group's committed offsets: atomically up to TXN_MAX_OPS

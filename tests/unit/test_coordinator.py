@@ -2,16 +2,18 @@
 in-memory etcd twin: join with a required member id, one generation for all
 members, the leader's assignment handed out and saved, a restarted
 coordinator carrying on from etcd without a rebalance, a leave forcing the
-others to rejoin, an expired session, and a save that fails."""
+others to rejoin, an expired session, a save that fails, and a commit whose
+outcome etcd left unknown."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from aetcd.exceptions import ConnectionFailedError, ConnectionTimeoutError
 
-from kafscale.groups.coordinator import COMPLETING, EMPTY, STABLE, GroupCoordinator, GroupError
+from kafscale.groups.coordinator import COMPLETING, EMPTY, STABLE, GroupCoordinator, GroupError, offset_record
 from kafscale.metadata.memory import MemoryEtcd
-from kafscale.metadata.store import MetaStore
+from kafscale.metadata.store import UNCERTAIN_WRITE_ATTEMPTS, MetaStore
 from kafscale.protocol.errors import ErrorCode
 
 GROUP = "g"
@@ -113,5 +115,29 @@ def test_an_assignment_that_cannot_be_saved_is_not_handed_out():
                               "assignments": [{"member_id": joined["member_id"], "assignment": b"all"}]})
         assert err.value.code == ErrorCode.COORDINATOR_NOT_AVAILABLE
         assert coord.groups[GROUP].state != STABLE
+
+    run(go())
+
+
+def test_a_commit_whose_outcome_etcd_left_unknown_is_sent_again_before_it_is_answered():
+    """A timed-out transaction may still be applied: answering it with an
+    error would let the client's next commit be overtaken by it."""
+    async def go():
+        etcd = MemoryEtcd()
+        coord = GroupCoordinator(MetaStore.in_memory(etcd=etcd), initial_rebalance_delay_ms=0)
+        transaction, timeouts = etcd.transaction, [ConnectionTimeoutError("deadline"), ConnectionFailedError("gone")]
+
+        async def flaky(*args, **kwargs):
+            if timeouts:
+                raise timeouts.pop(0)
+            return await transaction(*args, **kwargs)
+
+        etcd.transaction = flaky
+        await coord.commit_offsets(GROUP, -1, "", None, {("t", 0): offset_record(7, None, -1)})
+        assert (await coord.fetch_offsets(GROUP))[("t", 0)]["offset"] == 7
+        timeouts.extend(ConnectionTimeoutError("deadline") for _ in range(UNCERTAIN_WRITE_ATTEMPTS))
+        with pytest.raises(ConnectionTimeoutError):
+            await coord.commit_offsets(GROUP, -1, "", None, {("t", 0): offset_record(8, None, -1)})
+        assert not timeouts and (await coord.fetch_offsets(GROUP))[("t", 0)]["offset"] == 7
 
     run(go())
