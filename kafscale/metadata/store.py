@@ -757,6 +757,22 @@ class MetaStore:
                 return True
         return False
 
+    async def hand_over(self, topic: str, p: int, expected_raw: bytes, new_state: PartitionState,
+                        broker_id: int) -> bytes | None:
+        """Write the partition's new state (our fence cleared) and give up its
+        ownership in one transaction, if both keys still hold what we wrote:
+        the state written, or None (then take the two steps apart,
+        set_log_start and release_owner, to learn which key moved). A
+        stopping broker with 10,000 partitions made two transactions a
+        partition."""
+        tx = self.client.transactions
+        key, owner = self.k("partitions", topic, p), self.k("owners", topic, p)
+        new_raw = new_state.to_json()
+        ok, _ = await self.client.transaction(
+            compare=[tx.value(key) == expected_raw, tx.value(owner) == str(broker_id).encode()],
+            success=[tx.put(key, new_raw), tx.delete(owner)], failure=[])
+        return new_raw if ok else None
+
     async def release_owner(self, topic: str, p: int, broker_id: int) -> None:
         key = self.k("owners", topic, p)
         tx = self.client.transactions

@@ -742,6 +742,31 @@ def test_a_compaction_under_way_at_a_hand_over_does_not_put_the_fence_back(close
     run(go())
 
 
+def test_a_hand_over_is_one_transaction_a_partition_and_takes_nothing_that_moved():
+    """A partition handed over clears our fence and drops its owner key in
+    one transaction. One whose owner key another broker holds keeps that key
+    and still has our fence cleared; one claimed by another broker since is
+    left alone (its new owner's state stays)."""
+    async def go():
+        n = Node()
+        reg = await n.topic_registry(6)
+        logs = [await reg.partition_log(TOPIC, p) for p in range(6)]
+        before = n.etcd.txns
+        for p in range(4):
+            await reg.release_partition(TOPIC, p, logs[p], drain_s=1)
+        assert n.etcd.txns - before == 4
+        await n.etcd.put(n.meta.k("owners", TOPIC, 4), b"2")
+        claimed, _ = await n.meta.claim_partition(TOPIC, 5, 2)
+        for p in (4, 5):
+            await reg.release_partition(TOPIC, p, logs[p], drain_s=1)
+        states = await n.meta.partition_states()
+        assert [await n.meta.owner_of(TOPIC, p) for p in range(6)] == [None] * 4 + [2, 1]
+        assert [states[(TOPIC, p)].fence for p in range(5)] == [""] * 5 and states[(TOPIC, 5)] == claimed
+        await reg.close(drain_s=1)
+
+    run(go())
+
+
 def test_partitions_opened_all_at_once_are_claimed_in_batches_a_few_at_a_time(monkeypatch):
     """A first produce to a large topic opens every partition at once; their
     claims go CLAIM_BATCH to a transaction, a few transactions at a time (10,000
