@@ -7,8 +7,10 @@ SeaweedFS) gets a topic of P partitions and one record to every partition
 (librdkafka, acks=all), which opens them all. Once every node object is
 compacted away (compaction lag 10 s, small partitions three lags: about
 30-45 s), the CPU each process uses over --seconds is read from /proc: the
-log process, the workers, etcd and SeaweedFS. SeaweedFS keeps its objects on
-a tmpfs (/dev/shm), as bench/partitions.py does.
+log process, the workers, etcd and SeaweedFS. Then the broker is stopped
+(SIGTERM): how long it takes to exit, handing every partition over, and the
+etcd transactions it makes meanwhile (etcd's own /metrics). SeaweedFS keeps
+its objects on a tmpfs (/dev/shm), as bench/partitions.py does.
 
     python -m bench.idle [--partitions 1,1000,10000] [--seconds 30]
 """
@@ -29,8 +31,10 @@ from kafscale.devstack import DevStack
 COMPACTED_WITHIN_S = 180  # the opening records' node objects are compacted away by then (else the run fails)
 
 
-def idle_cores(stack: DevStack, logdir: Path, partitions: int, seconds: float) -> dict[str, float]:
-    """The cores each process of the node and the stores used over `seconds` with P idle open partitions."""
+def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float) -> tuple[dict[str, float], float, int]:
+    """The cores each process of the node and the stores used over `seconds`
+    with P idle open partitions; then the broker's stop: seconds to exit and
+    etcd transactions."""
     cluster = f"idle{partitions}x{uuid.uuid4().hex[:4]}"
     proc, bootstrap = start_broker(stack, logdir, cluster)
     try:
@@ -44,10 +48,16 @@ def idle_cores(stack: DevStack, logdir: Path, partitions: int, seconds: float) -
         with CpuMeter({"log process": [log_process], "workers": workers, "etcd": [etcd],
                        "SeaweedFS": [weed]}) as cpu:
             time.sleep(seconds)
-        return {k: v for k, v in cpu.cores.items() if k != "bench client"}
-    finally:
+    except BaseException:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
+        raise
+    txns, stopping = stack.server_counts()["txns"], time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    if proc.wait(120) != 0:
+        raise RuntimeError(f"P = {partitions}: the broker exited with {proc.returncode} (its log: {logdir})")
+    stop_s, stop_txns = time.perf_counter() - stopping, int(stack.server_counts()["txns"] - txns)
+    return {k: v for k, v in cpu.cores.items() if k != "bench client"}, stop_s, stop_txns
 
 
 def main() -> None:
@@ -59,17 +69,16 @@ def main() -> None:
     with stack_dirs(False) as (tmp, s3_dir):
         stack = DevStack(data_dir=tmp, volume_mib=1024, s3_dir=s3_dir).start()
         try:
-            runs = {p: idle_cores(stack, Path(tmp), p, args.seconds) for p in counts}
+            runs = {p: idle_run(stack, Path(tmp), p, args.seconds) for p in counts}
         finally:
             stack.stop()
-    base = runs[counts[0]]
+    base = runs[counts[0]][0]
     print(f"idle open partitions, CPU cores over {args.seconds:.0f} s once every node object was compacted "
-          f"(ratio to P = {counts[0]} in brackets)")
-    print(f"{'P':>7} " + " ".join(f"{name:>20}" for name in base))
-    for p, cores in runs.items():
+          f"(ratio to P = {counts[0]} in brackets); then the stop (SIGTERM to exit) and its etcd transactions")
+    print(f"{'P':>7} " + " ".join(f"{name:>20}" for name in base) + f" {'stop s':>8} {'stop txns':>10}")
+    for p, (cores, stop_s, stop_txns) in runs.items():
         print(f"{p:>7} " + " ".join(f"{c:8.3f} ({c / base[name] if base[name] else float('nan'):6.2f})    "
-                                     for name, c in cores.items()))
-
+                                     for name, c in cores.items()) + f" {stop_s:8.1f} {stop_txns:10d}")
 
 if __name__ == "__main__":
     main()
