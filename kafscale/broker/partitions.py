@@ -383,7 +383,7 @@ class PartitionRegistry:
         if self.flusher is not None:
             try:  # no node object in flight may still hold its batches when another broker claims it
                 await asyncio.wait_for(self.flusher.settled(lg), drain_s)
-                if await asyncio.wait_for(lg.release_fence(self.cfg.node_id), drain_s):
+                if await asyncio.wait_for(lg.release_fence(and_owner=True), drain_s):
                     return  # the owner key went with the fence
             except Exception as exc:  # still ours until our lease expires, or the next owner's claim fences us
                 log.warning("%s/%d: not handed over (%r)", topic, p, exc)

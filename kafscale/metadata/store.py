@@ -407,13 +407,14 @@ class MetaStore:
                                          [tx.delete(self.k("segments", topic, p, f"{b:020d}")) for b in dropped])
 
     async def _fenced_update(self, topic: str, p: int, expected_raw: bytes, new_state: PartitionState,
-                             ops: list[Any]) -> bytes:
+                             ops: list[Any], also: tuple[Any, ...] = ()) -> bytes:
         """Write the partition's new state (with `ops`) only if it still holds
-        exactly what this owner last wrote; otherwise raise Fenced."""
+        exactly what this owner last wrote (and the compares `also` hold);
+        otherwise raise Fenced."""
         tx = self.client.transactions
         key = self.k("partitions", topic, p)
         new_raw = new_state.to_json()
-        ok, _ = await self.client.transaction(compare=[tx.value(key) == expected_raw],
+        ok, _ = await self.client.transaction(compare=[tx.value(key) == expected_raw, *also],
                                               success=[*ops, tx.put(key, new_raw)], failure=[])
         if not ok:
             raise Fenced(f"{topic}/{p}")
@@ -675,14 +676,15 @@ class MetaStore:
         first one could still be applied over it: the committed offset went
         back."""
         for i in range(0, len(ops), TXN_MAX_OPS):
+            chunk = ops[i:i + TXN_MAX_OPS]
             for attempt in range(1, UNCERTAIN_WRITE_ATTEMPTS + 1):
                 try:
-                    await self.client.transaction(compare=[], success=ops[i:i + TXN_MAX_OPS], failure=[])
+                    await self.client.transaction(compare=[], success=chunk, failure=[])
                     break
                 except (aetcd.exceptions.ConnectionTimeoutError, aetcd.exceptions.ConnectionFailedError) as exc:
                     if attempt == UNCERTAIN_WRITE_ATTEMPTS:
                         raise
-                    log.warning("etcd write of %d keys: outcome unknown (%r), sending it again", len(ops), exc)
+                    log.warning("etcd write of %d keys: outcome unknown (%r), sending it again", len(chunk), exc)
 
     async def commit_offsets(self, group: str, offsets: dict[TopicPartition, dict[str, Any]]) -> None:
         """Write a group's committed offsets: atomically up to TXN_MAX_OPS
@@ -765,13 +767,12 @@ class MetaStore:
         set_log_start and release_owner, to learn which key moved). A
         stopping broker with 10,000 partitions made two transactions a
         partition."""
-        tx = self.client.transactions
-        key, owner = self.k("partitions", topic, p), self.k("owners", topic, p)
-        new_raw = new_state.to_json()
-        ok, _ = await self.client.transaction(
-            compare=[tx.value(key) == expected_raw, tx.value(owner) == str(broker_id).encode()],
-            success=[tx.put(key, new_raw), tx.delete(owner)], failure=[])
-        return new_raw if ok else None
+        tx, owner = self.client.transactions, self.k("owners", topic, p)
+        try:
+            return await self._fenced_update(topic, p, expected_raw, new_state, [tx.delete(owner)],
+                                             also=(tx.value(owner) == str(broker_id).encode(),))
+        except Fenced:
+            return None
 
     async def release_owner(self, topic: str, p: int, broker_id: int) -> None:
         key = self.k("owners", topic, p)

@@ -548,19 +548,20 @@ class PartitionLog(LogReader):
             self.cache.put(manifest.ref, CachedSegment.from_built(built[2]))
             self.serve_compacted(manifest, built)
 
-    async def release_fence(self, owner: int | None = None) -> bool:
+    async def release_fence(self, and_owner: bool = False) -> bool:
         """Handing over with nothing in flight: clear our fence from the partition's
         state, so that the next owner's claim does not fence the whole node.
         Under the commit lock, after a compaction's commit under way (which
         would put the fence back after ours); a compaction still uploading
         finds the log closed when it takes the lock, and commits nothing.
-        With `owner` (our broker id), its owner key goes in the same
-        transaction if it is still ours: whether it went (if not, the caller
-        releases it on its own). Fenced: the partition is not ours any more."""
+        With and_owner, its owner key goes in the same transaction if it is
+        still ours: whether it went (if not, the caller releases it on its
+        own). Fenced: the partition is not ours any more."""
         async with self._commit_lock:
             new_state = PartitionState(self.cfg.node_id, self.epoch, self.checkpoint, self.log_start, "")
-            if owner is not None:
-                raw = await self.meta.hand_over(self.topic, self.partition, self._state_raw, new_state, owner)
+            if and_owner:
+                raw = await self.meta.hand_over(self.topic, self.partition, self._state_raw, new_state,
+                                                self.cfg.node_id)
                 if raw is not None:
                     self._state_raw = raw
                     return True
