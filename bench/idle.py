@@ -80,5 +80,6 @@ def main() -> None:
         print(f"{p:>7} " + " ".join(f"{c:8.3f} ({c / base[name] if base[name] else float('nan'):6.2f})    "
                                      for name, c in cores.items()) + f" {stop_s:8.1f} {stop_txns:10d}")
 
+
 if __name__ == "__main__":
     main()
