@@ -7,7 +7,8 @@ Segments are written once: every PUT (and multipart completion) sends
 Objects above `multipart_threshold` are uploaded in parts, concurrently.
 A single PUT carries the object's CRC32C, computed natively (about 14 GB/s
 here); S3 rejects the PUT if the bytes it received differ, and no other
-checksum pass is made over the body.
+checksum pass is made over the body except over plain HTTP to another host,
+where the body's SHA-256 is signed (signs_payload).
 
 Parts go through botocore's blocking client. Single PUTs and GETs do not:
 they are signed by botocore's S3 SigV4 signer and sent on a keep-alive
@@ -42,6 +43,7 @@ import base64
 import concurrent.futures
 import contextlib
 import http.client
+import ipaddress
 import logging
 import os
 import select
@@ -80,11 +82,28 @@ ATTEMPTS = 3  # of every S3 request (the clients' standard retry mode, and _Dire
 CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 5, 10
 
 
-def _boto_config(pool: int, attempts: int) -> BotoConfig:
+def signs_payload(endpoint: str | None) -> bool:
+    """Whether a PUT's body is hashed into its SigV4 signature. The body's
+    checksum (CRC32C on a single PUT, botocore's on a part) already makes S3
+    refuse bytes that changed on the way; a signed hash also stops someone
+    between the broker and S3 from changing them, which TLS does on https
+    and nobody can on this machine's loopback. So only plain HTTP to another
+    host pays for a SHA-256 pass over every body written (the AWS SDKs sign
+    every payload sent over plain HTTP), and for the store's check of it."""
+    url = urlsplit(endpoint or "https://")
+    if url.scheme == "https" or url.hostname == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(url.hostname or "").is_loopback
+    except ValueError:  # a host name
+        return True
+
+
+def _boto_config(endpoint: str | None, pool: int, attempts: int) -> BotoConfig:
     """The settings of every S3 client, blocking or asyncio."""
     return BotoConfig(max_pool_connections=pool, retries={"max_attempts": attempts, "mode": "standard"},
-                      s3={"addressing_style": "path"}, connect_timeout=CONNECT_TIMEOUT_S,
-                      read_timeout=READ_TIMEOUT_S)
+                      s3={"addressing_style": "path", "payload_signing_enabled": signs_payload(endpoint)},
+                      connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S)
 
 
 # S3's endpoint ruleset declares these parameters but no rule reads them; botocore
@@ -110,7 +129,7 @@ def sync_client(endpoint: str | None, region: str | None, access_key: str | None
     from the AWS default chain."""
     return _cache_endpoints(botocore.session.get_session().create_client(
         "s3", endpoint_url=endpoint, region_name=region or "us-east-1", aws_access_key_id=access_key,
-        aws_secret_access_key=secret_key, config=_boto_config(pool, attempts)))
+        aws_secret_access_key=secret_key, config=_boto_config(endpoint, pool, attempts)))
 
 
 class ObjectExists(Exception):
@@ -146,6 +165,7 @@ class _Direct:
         credentials = (Credentials(access_key, secret_key) if access_key and secret_key
                        else botocore.session.get_session().get_credentials())  # the default chain
         self.signer = S3SigV4Auth(credentials, "s3", region)
+        self._signing = BotoConfig(s3={"payload_signing_enabled": signs_payload(endpoint)})  # its context's
         # as botocore's clients: CA bundle and proxies from the environment, no Nagle delay
         proxies = get_environ_proxies(self.base)
         self.http = URLLib3Session(verify=os.environ.get("AWS_CA_BUNDLE") or True,
@@ -160,12 +180,12 @@ class _Direct:
         self._local = threading.local()
         self._conns: list[http.client.HTTPConnection] = []
 
-    @staticmethod
-    def put_request(crc32c: str, if_none_match: bool) -> tuple[dict[str, str], dict[str, Any]]:
-        """A single PUT's headers and its signing context."""
+    def put_request(self, crc32c: str, if_none_match: bool) -> tuple[dict[str, str], dict[str, Any]]:
+        """A single PUT's headers and its signing context (the body hashed into
+        the signature only where signs_payload says)."""
         headers = {"x-amz-checksum-crc32c": crc32c, **({"If-None-Match": "*"} if if_none_match else {})}
-        # as botocore's client marks a PutObject with a checksum: over https the body is not hashed again
-        context = {"has_streaming_input": True,
+        # as botocore's client marks a PutObject with a checksum
+        context = {"has_streaming_input": True, "client_config": self._signing,
                    "checksum": {"request_algorithm": {"in": "header", "name": "x-amz-checksum-crc32c"}}}
         return headers, context
 
@@ -405,7 +425,7 @@ class ObjectStore:
 
     async def start(self) -> None:
         self._client = _cache_endpoints(await self._stack.enter_async_context(
-            self._session.client("s3", endpoint_url=self.endpoint, config=_boto_config(64, ATTEMPTS))))
+            self._session.client("s3", endpoint_url=self.endpoint, config=_boto_config(self.endpoint, 64, ATTEMPTS))))
         self._blocking = sync_client(self.endpoint, self._region, *self._credentials, pool=BODY_THREADS)
         self._direct = _Direct(self.bucket, self.endpoint, self._region or "us-east-1", *self._credentials,
                                pool=BODY_THREADS)

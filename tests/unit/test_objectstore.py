@@ -6,6 +6,7 @@ tests use SeaweedFS)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import http.client
 import http.server
 import json
@@ -23,6 +24,7 @@ from kafscale.storage.objectstore import (
     RequestFailed,
     _Direct,
     _LoopPuts,
+    signs_payload,
     sync_client,
 )
 
@@ -130,6 +132,20 @@ def test_a_put_is_signed_addressed_by_path_and_conditional(put):
     assert headers["If-None-Match"] == "*" and headers["x-amz-checksum-crc32c"] == "AAAAAA=="
     assert headers["Authorization"].startswith("AWS4-HMAC-SHA256 Credential=key/")
     assert "host;" in headers["Authorization"] and headers["Host"] == f"127.0.0.1:{_Fake.port}"
+    assert headers["X-Amz-Content-SHA256"] == "UNSIGNED-PAYLOAD"  # loopback: the CRC32C guards the body
+
+
+@pytest.mark.parametrize(("endpoint", "signed"), [
+    ("http://127.0.0.1:8333", False), ("http://localhost:9000", False), ("http://[::1]:9000", False),
+    ("https://minio.internal:9000", False), (None, False),  # AWS over https
+    ("http://10.0.0.7:9000", True), ("http://minio.storage.svc:9000", True)])
+def test_a_body_is_hashed_into_its_signature_only_over_plain_http_to_another_host(endpoint, signed):
+    direct = _Direct("bkt", endpoint, "us-east-1", "key", "secret", pool=1)
+    body = bytearray(b"segment bytes")
+    req = direct.signed("PUT", "k", *direct.put_request("AAAAAA==", True), body)
+    assert signs_payload(endpoint) is signed
+    assert req.headers["X-Amz-Content-SHA256"] == (hashlib.sha256(body).hexdigest() if signed else "UNSIGNED-PAYLOAD")
+    assert sync_client(endpoint, "us-east-1", "k", "s").meta.config.s3["payload_signing_enabled"] is signed
 
 
 def test_a_put_is_retried_on_5xx_and_429_only(put):
