@@ -6,6 +6,7 @@ tests use SeaweedFS)."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import http.client
 import http.server
@@ -15,15 +16,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import botocore.auth
 import botocore.session
 import pytest
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.config import Config as BotoConfig
+from botocore.credentials import Credentials
 
+from kafscale.storage import objectstore
 from kafscale.storage.objectstore import (
     UNUSED_ENDPOINT_PARAMS,
     ObjectExists,
     RequestFailed,
     _Direct,
     _LoopPuts,
+    _SigV4,
     signs_payload,
     sync_client,
 )
@@ -142,10 +150,51 @@ def test_a_put_is_signed_addressed_by_path_and_conditional(put):
 def test_a_body_is_hashed_into_its_signature_only_over_plain_http_to_another_host(endpoint, signed):
     direct = _Direct("bkt", endpoint, "us-east-1", "key", "secret", pool=1)
     body = bytearray(b"segment bytes")
-    req = direct.signed("PUT", "k", *direct.put_request("AAAAAA==", True), body)
+    _, headers = direct.signed("PUT", "k", direct.put_headers("AAAAAA==", True), body)
     assert signs_payload(endpoint) is signed
-    assert req.headers["X-Amz-Content-SHA256"] == (hashlib.sha256(body).hexdigest() if signed else "UNSIGNED-PAYLOAD")
+    assert headers["X-Amz-Content-SHA256"] == (hashlib.sha256(body).hexdigest() if signed else "UNSIGNED-PAYLOAD")
     assert sync_client(endpoint, "us-east-1", "k", "s").meta.config.s3["payload_signing_enabled"] is signed
+
+
+def botocore_signed(endpoint: str | None, credentials: Credentials, method: str, target: str,
+                    headers: dict[str, str], body: bytes) -> dict[str, str]:
+    """What botocore's S3 signer adds to a request as _Direct sends it (a PutObject's context when a PUT)."""
+    url = _Direct("bkt", endpoint, "eu-west-1", "k", "s", pool=1)._origin + target
+    req = AWSRequest(method, url, data=body, headers=headers)
+    if method == "PUT":
+        req.context.update({"has_streaming_input": True,
+                            "client_config": BotoConfig(s3={"payload_signing_enabled": signs_payload(endpoint)}),
+                            "checksum": {"request_algorithm": {"in": "header", "name": "x-amz-checksum-crc32c"}}})
+    S3SigV4Auth(credentials, "s3", "eu-west-1").add_auth(req)
+    return dict(req.headers.items())
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:8333", "http://10.0.0.7:9000", "https://s3.example.com",
+                                      "https://s3.example.com:8443/base", None])
+@pytest.mark.parametrize("token", [None, "session/token+="])
+def test_requests_are_signed_as_botocores_s3_signer_signs_them(monkeypatch, endpoint, token):
+    """Byte for byte the headers botocore's S3SigV4Auth adds, at a fixed time:
+    single PUTs (signed body or not), ranged GETs and listings, keys and
+    continuation tokens that need encoding, a session token; and a new day
+    derives a new signing key."""
+    credentials = Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", token)
+    direct = _Direct("bkt", endpoint, "eu-west-1", "k", "s", pool=1)
+    direct.signer = _SigV4(credentials, "eu-west-1")
+    body = b"\x00segment bytes\xff" * 100
+    query = "list-type=2&prefix=ns%2Ft%20%C3%A9%2F&continuation-token=1%2Fab%2B%3D%3D&encoding-type=url"
+    requests = [("PUT", "ns/t é/0/00000000000000000042.kfs", direct.put_headers("AAAAAA==", True), body),
+                ("PUT", "wal/n1/7.obj", direct.put_headers("q83vEg==", False), body),
+                ("GET", "ns/t/0/1.kfs", {"Range": "bytes=0-1023"}, b""),
+                ("GET", "", {}, b"")]
+    for day in ("20261202", "20261203"):
+        when = datetime.datetime(int(day[:4]), int(day[4:6]), int(day[6:]), 23, 59, 58)
+        monkeypatch.setattr(objectstore, "_amz_date", lambda w=when: w.strftime("%Y%m%dT%H%M%SZ"))
+        monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda w=when: w)
+        for method, key, headers, data in requests:
+            target, ours = direct.signed(method, key, headers, data, query if not key else "")
+            unsigned = {k: v for k, v in ours.items() if k not in ("X-Amz-Date", "X-Amz-Content-SHA256",
+                                                                     "X-Amz-Security-Token", "Authorization")}
+            assert ours == botocore_signed(endpoint, credentials, method, target, unsigned, data)
 
 
 def test_a_put_is_retried_on_5xx_and_429_only(put):
