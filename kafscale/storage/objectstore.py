@@ -421,14 +421,20 @@ class _LoopPuts:
 async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
     """An HTTP/1.1 response: its status, its body (by Content-Length,
     chunked, or up to the close), and whether the connection may carry
-    another request."""
-    status_line = (await reader.readline()).split()
+    another request. Its head is read in one call (a read a line cost a
+    small PUT a sixth of its CPU)."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        raise EOFError("the answer's headers were cut short" if exc.partial else "no HTTP status line") from exc
+    except asyncio.LimitOverrunError as exc:
+        raise ValueError("the answer's headers are too long") from exc
+    first, *fields = head[:-4].split(b"\r\n")
+    status_line = first.split()
     if len(status_line) < 2:
         raise EOFError("no HTTP status line")
     status, length, chunked, keep = int(status_line[1]), -1, False, status_line[0] == b"HTTP/1.1"
-    while (line := await reader.readline()) not in (b"\r\n", b"\n"):
-        if not line:
-            raise EOFError("the answer's headers were cut short")
+    for line in fields:
         name, _, value = line.partition(b":")
         name, value = name.strip().lower(), value.strip().lower()
         if name == b"content-length":

@@ -321,6 +321,27 @@ def test_a_put_from_the_loop_reads_a_chunked_answer_and_one_up_to_the_close():
         server.shutdown()
 
 
+@pytest.mark.parametrize(("answer", "outcome"), [
+    (b"HTTP/1.1 200 OK\r\nContent-LENGTH: 2\r\nX-Amz-Id: a:b\r\n\r\nokEXTRA", (200, b"ok", True)),
+    (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", (200, b"", False)),
+    (b"HTTP/1.0 503 Busy\r\n\r\nlater", (503, b"later", False)),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n", EOFError("cut short")),
+    (b"", EOFError("no HTTP status line")),
+    (b"\r\n\r\n", EOFError("no HTTP status line"))])
+def test_an_answer_is_parsed_from_its_head_or_refused_when_cut_short(answer, outcome):
+    async def parse() -> tuple[int, bytes, bool]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(answer)
+        reader.feed_eof()
+        return await objectstore._response(reader)
+
+    if isinstance(outcome, Exception):
+        with pytest.raises(type(outcome), match=str(outcome)):
+            asyncio.run(parse())
+    else:
+        assert asyncio.run(parse()) == outcome
+
+
 @pytest.mark.parametrize("how", ["thread", "loop"])
 def test_a_put_over_https_trusts_the_ca_bundle(how, certs, monkeypatch):
     """An https endpoint: the server's certificate is checked against
