@@ -235,8 +235,9 @@ class _Direct:
         self._netloc, self.tls, self._path = url.netloc, url.scheme == "https", url.path
         self._origin = f"{url.scheme}://{url.netloc}"
         default_port = 443 if self.tls else 80
-        host = f"[{url.hostname}]" if ":" in (url.hostname or "") else url.hostname or ""  # IPv6 in brackets
-        self.host = host if (url.port or default_port) == default_port else f"{host}:{url.port}"  # signed as sent
+        self.addr = url.hostname or "", url.port or default_port  # where a connection goes
+        host = f"[{self.addr[0]}]" if ":" in self.addr[0] else self.addr[0]  # an IPv6 address in brackets
+        self.host = host if self.addr[1] == default_port else f"{host}:{self.addr[1]}"  # signed as sent
         self.tls_context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE")) if self.tls else None
         self._local = threading.local()
         self._conns: list[http.client.HTTPConnection] = []
@@ -358,8 +359,6 @@ class _LoopPuts:
 
     def __init__(self, direct: _Direct) -> None:
         self.direct = direct
-        url = urlsplit(direct.base)
-        self._addr = url.hostname or "", url.port or (443 if direct.tls else 80)
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._slots = asyncio.Semaphore(BODY_THREADS)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -394,8 +393,8 @@ class _LoopPuts:
         else:
             tls = self.direct.tls_context
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                reader, writer = await asyncio.open_connection(*self._addr, ssl=tls,
-                                                               server_hostname=self._addr[0] if tls else None)
+                reader, writer = await asyncio.open_connection(*self.direct.addr, ssl=tls,
+                                                               server_hostname=self.direct.addr[0] if tls else None)
         try:
             async with asyncio.timeout(READ_TIMEOUT_S):
                 fields = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
