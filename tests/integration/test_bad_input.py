@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import struct
 import threading
 import time
 import uuid
+from typing import Any
 
 import pytest
 
 from kafscale import _native
+from kafscale.protocol.codec import Field
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.schemas import API_VERSIONS, LIST_OFFSETS, METADATA, PRODUCE
+from kafscale.protocol.framing import encode_request
+from kafscale.protocol.schemas import API_VERSIONS, APIS, LIST_OFFSETS, METADATA, PRODUCE
 from kafscale.storage.segment import parse_segment_key
 from tests.conftest import BrokerProcess
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
@@ -322,3 +326,92 @@ def test_clients_that_never_read_hold_bounded_memory_and_are_disconnected(make_b
     assert b.log().count("took no response bytes") == len(socks), "each non-reading client is disconnected"
     assert peak - base < 20 * 2 + 60, f"worker grew {peak - base:.0f} MiB for 20 clients that never read"
     still_serves(b, topic_name)
+
+
+def sample_request(fields: list[Field], version: int, topic: str) -> dict[str, Any]:
+    """A well-formed request body of this schema and version: one element in
+    every array, names naming `topic`, a valid batch where records go."""
+    body: dict[str, Any] = {}
+    for f in (f for f in fields if f.present(version)):
+        if f.type in ("array", "struct"):
+            item = sample_value(f.item, f.name, topic) if f.item else sample_request(f.fields, version, topic)
+            body[f.name] = [item] if f.type == "array" else item
+        else:
+            body[f.name] = sample_value(f.type, f.name, topic)
+    return body
+
+
+def sample_value(ftype: str, name: str, topic: str) -> Any:
+    if ftype == "string":
+        return topic if "name" in name or "topic" in name else "x"
+    if ftype in ("int8", "int16", "int32", "int64", "uint16", "varint", "varlong"):
+        return 0 if "partition" in name or "index" in name else 1
+    return {"bytes": b"x", "records": _native.build_batch([(1000, b"k", b"v" * 50, [])]), "bool": False,
+            "uuid": bytes(16), "float64": 0.0}[ftype]
+
+
+def mutate(frame: bytes, rnd: random.Random) -> bytes:
+    """The frame with one kind of damage, its size prefix matching what is sent."""
+    b = bytearray(frame[4:])
+    at = rnd.randrange(8, len(b))  # past the API key, version and correlation id
+    kind = rnd.randrange(5)
+    if kind == 0:  # bits flipped
+        for _ in range(rnd.randint(1, 3)):
+            b[rnd.randrange(len(b))] ^= 1 << rnd.randrange(8)
+    elif kind == 1:  # cut short
+        del b[at:]
+    elif kind == 2:  # a length or count made huge, negative or null
+        b[at:at + 4] = rnd.choice([b"\xff\xff\xff\xff", b"\x7f\xff\xff\xff", b"\x00\x00\xff\xff", b"\x80\x00\x00\x00"])
+    elif kind == 3:  # a varint longer than any field it may be
+        b[at:at + 1] = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x0f"
+    else:  # bytes appended
+        b += bytes(rnd.randrange(256) for _ in range(rnd.randint(1, 40)))
+    return struct.pack(">i", len(b)) + bytes(b)
+
+
+MUTANTS = 6  # of each API version's request
+
+
+@pytest.mark.parametrize("front", ["broker", "proxy"])
+def test_mutated_requests_of_every_api_and_version_are_answered_or_closed(make_cluster, topic_name, front):
+    """A valid request of every API and version the broker implements,
+    damaged MUTANTS ways each: every one is answered, or its connection is
+    closed (or, for a long poll or acks=0, simply not answered yet); no
+    worker dies, no handler fails (no traceback in the logs), and real
+    clients still produce and consume. Admin requests name another topic,
+    so that what they may still do (delete it, alter it) leaves ours."""
+    *brokers, proxy = make_cluster(1, proxy=True)
+    broker = brokers[0]
+    target = proxy if front == "proxy" else broker
+    create_topic(broker.bootstrap, topic_name)
+    pids = broker.children(), proxy.children()
+    rnd = random.Random(19)
+    host, port = target.bootstrap.rsplit(":", 1)
+    outcomes: dict[str, int] = {}
+    sent = b""
+    for api in APIS.values():
+        name = f"{topic_name}-other" if api.name.startswith(("Create", "Delete", "Alter", "Elect",
+                                                              "IncrementalAlter")) else topic_name
+        for version in range(api.min_version, api.max_version + 1):
+            frame = encode_request(api.key, version, 7, sample_request(api.request.fields, version, name))
+            for _ in range(MUTANTS):
+                try:
+                    s = socket.create_connection((host, int(port)), timeout=2)
+                except OSError as exc:
+                    pytest.fail(f"the {front} stopped listening after {sent.hex()}: {exc!r}")
+                sent = mutate(frame, rnd)
+                with s:
+                    s.sendall(sent)
+                    try:
+                        outcome = "answered" if s.recv(4) else "closed"
+                    except TimeoutError:
+                        outcome = "not answered in 2 s"
+                    except ConnectionResetError:
+                        outcome = "closed"
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                assert broker.alive() and proxy.alive(), f"{api.name} v{version}: {sent.hex()}"
+        assert (broker.children(), proxy.children()) == pids, f"a process died after {api.name}: {outcomes}"
+    assert outcomes["answered"] > 100 and outcomes["closed"] > 100, outcomes
+    for b in (broker, proxy):
+        assert "Traceback" not in b.log() and " ERROR " not in b.log(), b.log()[-5000:]
+    still_serves(target, topic_name)
