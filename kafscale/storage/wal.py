@@ -63,6 +63,10 @@ COMMIT_BYTES = 1 << 20
 DELETE_BATCH = 25
 COMMITTED_TURN = 64  # slices of committed node objects handed to their logs before other work runs
 PARSE_TURN_BYTES = 64 << 10  # directory JSON parsed before other work runs (about 2 ms)
+# slices of the directories a collector pass checks before other work runs (about 1.5 ms): a turn every 50
+# directories held the event loop for 79 ms when each held MAX_SLICES slices (10,000 partitions and more);
+# bench/README.md, session 69
+COLLECT_TURN = 1000
 ORPHAN_AGE_S = 600.0  # an object no directory names is an orphan once this old (uploaded, never committed)
 
 
@@ -628,6 +632,11 @@ def summary(key: str, shared: bool, slices: Iterable[tuple[str, str, int, int, i
     return key, shared, tuple(topics), rows.tobytes()
 
 
+def summary_size(s: Summary) -> int:
+    """How many slices a summary holds (four 8-byte integers each)."""
+    return len(s[3]) // 32
+
+
 def summary_slices(s: Summary) -> Iterator[tuple[str, str, int, int, int]]:
     """A summary's slices as (topic, topic id hex, partition, base, last offset)."""
     rows = memoryview(s[3]).cast("q")
@@ -751,8 +760,11 @@ class Collector:
                 return (topics.get(topic) != tid or mark is None or mark[1] > last
                         or (not shared and mark[0] > last) or (shared and self._shared.is_merged(tid, p, base, last)))
 
-            async for chunk in in_turns(list(self._seen.items()), 50):
-                dead += [(k, sm[0]) for k, sm in chunk if all(done(sm[1], *sl) for sl in summary_slices(sm))]
+            turns = Turns(COLLECT_TURN)
+            for k, sm in list(self._seen.items()):
+                if all(done(sm[1], *sl) for sl in summary_slices(sm)):
+                    dead.append((k, sm[0]))
+                await turns.did(summary_size(sm))
         if dead:
             await self.meta.forget_wal([k for k, _ in dead])
             for k, _ in dead:
