@@ -62,10 +62,10 @@ COMMIT_BYTES = 1 << 20
 # 100 partitions took it 0.3-0.4 s of a core at once, with the node flushes' PUTs waiting meanwhile
 DELETE_BATCH = 25
 COMMITTED_TURN = 64  # slices of committed node objects handed to their logs before other work runs
-PARSE_TURN_BYTES = 64 << 10  # directory JSON parsed before other work runs (about 2 ms)
-# slices of the directories a collector pass checks before other work runs (about 1.5 ms): a turn every 50
-# directories held the event loop for 79 ms when each held MAX_SLICES slices (10,000 partitions and more);
-# bench/README.md, session 69
+PARSE_TURN_BYTES = 16 << 10  # directory JSON parsed before other work runs (64 KiB held the loop 5-9 ms here)
+# slices of the directories a collector pass checks or counts before other work runs (1.5-4 ms here): a turn
+# every 50 directories held the event loop for 79 ms when each held MAX_SLICES slices (10,000 partitions and
+# more), and the shared objects' ranges were counted with no turn at all; bench/README.md, session 69
 COLLECT_TURN = 1000
 ORPHAN_AGE_S = 600.0  # an object no directory names is an orphan once this old (uploaded, never committed)
 
@@ -692,7 +692,7 @@ class SharedRanges:
     async def update(self) -> None:
         """Work out again what is merged away in the partitions whose ranges changed."""
         changed, self._changed = list(self._changed), set()
-        async for chunk in in_turns(changed, 500):
+        async for chunk in in_turns(changed, 200):
             for tp in chunk:
                 if merged := merged_away(self._ranges.get(tp, ())):
                     self._merged[tp] = merged
@@ -740,10 +740,13 @@ class Collector:
         after the states were read (whose object would be forgotten live)."""
         seen = (await read_directories(self.meta, self._seen, functools.partial(_summary, shared=False))
                 | await read_directories(self.meta, self._seen, functools.partial(_summary, shared=True), "shared"))
+        turns = Turns(COLLECT_TURN)
         for k in self._seen.keys() - seen.keys():  # forgotten by another broker's collector
             self._shared.remove(self._seen[k])
+            await turns.did(summary_size(self._seen[k]))
         for k in seen.keys() - self._seen.keys():
             self._shared.add(seen[k])
+            await turns.did(summary_size(seen[k]))
         self._seen = seen
         await self._shared.update()
         dead: list[tuple[bytes, str]] = []
@@ -760,7 +763,6 @@ class Collector:
                 return (topics.get(topic) != tid or mark is None or mark[1] > last
                         or (not shared and mark[0] > last) or (shared and self._shared.is_merged(tid, p, base, last)))
 
-            turns = Turns(COLLECT_TURN)
             for k, sm in list(self._seen.items()):
                 if all(done(sm[1], *sl) for sl in summary_slices(sm)):
                     dead.append((k, sm[0]))
@@ -768,7 +770,8 @@ class Collector:
         if dead:
             await self.meta.forget_wal([k for k, _ in dead])
             for k, _ in dead:
-                self._shared.remove(self._seen.pop(k))
+                self._shared.remove(forgotten := self._seen.pop(k))
+                await turns.did(summary_size(forgotten))
             objects = [key for _, key in dead]
             asyncio.get_running_loop().call_later(self.delete_delay_s, lambda: asyncio.ensure_future(
                 _delete(self.store, objects, self.spread_s)))
