@@ -615,6 +615,7 @@ class WalIndex:
 
 
 Summary = tuple[str, bool, tuple[tuple[str, str], ...], bytes]
+SUMMARY_ROW = 4  # 8-byte integers a slice in a summary: its topic's place, partition, base and last offset
 
 
 def summary(key: str, shared: bool, slices: Iterable[tuple[str, str, int, int, int]]) -> Summary:
@@ -633,14 +634,14 @@ def summary(key: str, shared: bool, slices: Iterable[tuple[str, str, int, int, i
 
 
 def summary_size(s: Summary) -> int:
-    """How many slices a summary holds (four 8-byte integers each)."""
-    return len(s[3]) // 32
+    """How many slices a summary holds."""
+    return len(s[3]) // (8 * SUMMARY_ROW)
 
 
 def summary_slices(s: Summary) -> Iterator[tuple[str, str, int, int, int]]:
     """A summary's slices as (topic, topic id hex, partition, base, last offset)."""
     rows = memoryview(s[3]).cast("q")
-    for i in range(0, len(rows), 4):
+    for i in range(0, len(rows), SUMMARY_ROW):
         yield (*s[2][rows[i]], rows[i + 1], rows[i + 2], rows[i + 3])
 
 
