@@ -15,12 +15,19 @@ as appended. No log process, S3 or etcd is behind it. What the producer
 still waits for is its own linger and its own work. That is the floor under
 any broker's ack latency at that P, on this machine, with this client.
 
+With --answer-ms D the listener answers each request D ms after it came
+instead, as a broker whose node flush takes D ms would: what the client
+makes of a broker's latency, with the connection's in-flight limit
+(--max-in-flight, max_in_flight_requests) holding back its reading as the
+broker's does.
+
 For each P: records acknowledged, ack p50/p99 and the p99 as a ratio to the
 first P, and the CPU cores of the producer (this process: librdkafka's
 threads and the loop offering records; or Sarama's Go process, which it
 waits for) and of the listener.
 
     python -m bench.client_floor [--partitions 1,10000] [--rate 2000] [--seconds 30] [--client sarama]
+                                 [--answer-ms 0] [--max-in-flight 1000]
 """
 from __future__ import annotations
 
@@ -43,8 +50,9 @@ TOPIC = "bench"
 TOPIC_ID = bytes(range(16))
 
 
-def serve(partitions: int, ports: mp.Queue) -> None:
-    """A listener that answers every Produce request at once, for a topic of `partitions` partitions."""
+def serve(partitions: int, answer_ms: float, in_flight: int, ports: mp.Queue) -> None:
+    """A listener that answers every Produce request answer_ms after it came (at once: 0), for a topic of
+    `partitions` partitions, reading at most in_flight requests of a connection ahead of their answers."""
 
     async def main() -> None:
         header, data = bytearray(16), bytearray(1 << 24)
@@ -64,10 +72,15 @@ def serve(partitions: int, ports: mp.Queue) -> None:
                                 "partitions": parts}]}
 
         def produce_run(_hdr: RequestContext, frames: memoryview, count: int, respond: RunRespond) -> None:
-            respond(encode_produce_responses(staged_answers(frames, count, header, ring)))
+            answers = encode_produce_responses(staged_answers(frames, count, header, ring))
+            if answer_ms:
+                asyncio.get_running_loop().call_later(answer_ms / 1000, respond, answers)
+            else:
+                respond(answers)
 
+        limits = ConnectionLimits.from_config(Config(max_in_flight_requests=in_flight))
         server = KafkaServer({schemas.API_VERSIONS.key: api_versions, schemas.METADATA.key: metadata},
-                             "127.0.0.1", 0, ConnectionLimits.from_config(Config()), produce_run=produce_run)
+                             "127.0.0.1", 0, limits, produce_run=produce_run)
         await server.start()
         port = server.port
         ports.put(port)
@@ -82,18 +95,24 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=2000, help="records a second offered")
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--drain", type=float, default=60)
+    ap.add_argument("--answer-ms", type=float, default=0.0,
+                    help="answer each Produce this long after it came, as a broker whose flush takes that long")
+    ap.add_argument("--max-in-flight", type=int, default=Config().max_in_flight_requests,
+                    help="the listener's max_in_flight_requests")
     ap.add_argument("--client", choices=sorted(OFFERS), default="librdkafka", help="who offers the load")
     args = ap.parse_args()
     offer = OFFERS[args.client]
     if args.client == "sarama":
         sarama_offer()  # compiled before any load is measured
+    when = f"{args.answer_ms:g} ms after each request" if args.answer_ms else "at once"
     print(f"{args.rate} records/s of 1 KiB for {args.seconds:g} s from {args.client}, acks=all, linger 5 ms, to a "
-          "listener that answers at once (ratio to the first P in brackets)")
+          f"listener that answers {when}, {args.max_in_flight} requests in flight at most (ratio to the first P "
+          "in brackets)")
     print(f"{'P':>6} {'acked':>13} {'ack p50 ms':>11} {'ack p99 ms':>17} {'producer cores':>15} {'listener cores':>15}")
     first = None
     for partitions in [int(p) for p in args.partitions.split(",")]:
         ports: mp.Queue = mp.Queue()
-        listener = mp.Process(target=serve, args=(partitions, ports), daemon=True)
+        listener = mp.Process(target=serve, args=(partitions, args.answer_ms, args.max_in_flight, ports), daemon=True)
         listener.start()
         try:
             port = ports.get(timeout=30)
