@@ -38,6 +38,16 @@ def broker(stack, tmp_path_factory) -> Iterator[BrokerProcess]:
     b.stop()
 
 
+@pytest.fixture
+def late_broker(stack, tmp_path) -> Iterator[BrokerProcess]:
+    """Compacting 5 s after a flush: a produce that takes longer than half a
+    second on a busy machine is still compacted in one piece."""
+    b = BrokerProcess(stack, tmp_path, f"m{uuid.uuid4().hex[:10]}", auto_create_topics="true",
+                      default_partitions=1, compaction_lag_ms=5000).start()
+    yield b
+    b.stop()
+
+
 @pytest.fixture(scope="module")
 def s3log(stack) -> Iterator[S3RequestLog]:
     log = S3RequestLog(stack.s3_port)
@@ -105,10 +115,11 @@ def test_reads_every_record_with_mixed_codecs(spark, broker, topic_name):
     assert codecs_seen == set(CODECS), "every codec reached the segments"
 
 
-def test_large_segments_are_read_in_slices_cut_at_index_entries(spark, broker, topic_name):
+def test_large_segments_are_read_in_slices_cut_at_index_entries(spark, late_broker, topic_name):
     """A segment bigger than maxBytesPerPartition is read by several tasks,
     each from an index entry (a batch boundary), planned from etcd or from a
     listing; together they return every record once."""
+    broker = late_broker
     create_topic(broker.bootstrap, topic_name, config=KEEP)
     recs = [Rec(b"k%d" % i, os.urandom(1024)) for i in range(2500)]  # 2.5 MiB: more than a shared segment holds
     ts = [T0 + i for i in range(len(recs))]
