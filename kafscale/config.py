@@ -88,6 +88,10 @@ class Config:
                                        "the connection is not read (librdkafka sends one produce request per "
                                        "partition batch and pipelines them: keep it above produce requests/s x "
                                        "ack latency; every request read waits ahead of other clients' ones)")
+    socket_receive_buffer_bytes: int = _opt(100 * 1024, "SO_RCVBUF of each client connection, as Kafka's "
+                                            "socket.receive.buffer.bytes (-1: the system's, which grows to "
+                                            "net.ipv4.tcp_rmem's maximum): what a client can send past a "
+                                            "connection the broker has stopped reading")
     request_read_timeout_s: int = _opt(30, "a request frame must arrive whole within this many seconds of its "
                                        "size prefix, or the connection is closed")
     response_write_timeout_s: int = _opt(60, "a client that takes no bytes of a response for this many seconds "

@@ -53,12 +53,19 @@ class ConnectionLimits:
     read_timeout_s: float  # a frame must arrive whole this soon after its size prefix
     idle_timeout_s: float  # a connection with no request for this long, and none pending, is closed
     write_timeout_s: float  # a client that takes no response bytes for this long is disconnected
+    # SO_RCVBUF of a connection (-1: the system's). A connection past `in_flight` is not read, and what its
+    # client sends meanwhile waits in this buffer, unseen by the client: the system's grows to megabytes, a few
+    # thousand one-record produce requests queued behind the limit. librdkafka holds records back for larger
+    # requests only while it cannot write its socket (queue.buffering.backpressure.threshold); Kafka's
+    # 100 KiB cut its p99 against a slow listener to a third (bench/README.md, session 71).
+    receive_buffer_bytes: int = -1
 
     @classmethod
     def from_config(cls, cfg: Any) -> ConnectionLimits:
         return cls(cfg.max_request_bytes, max(cfg.queued_max_request_bytes, cfg.max_request_bytes),
                    max(cfg.max_in_flight_requests, 1),
-                   cfg.request_read_timeout_s, cfg.connections_max_idle_ms / 1000, cfg.response_write_timeout_s)
+                   cfg.request_read_timeout_s, cfg.connections_max_idle_ms / 1000, cfg.response_write_timeout_s,
+                   cfg.socket_receive_buffer_bytes)
 
 
 class ByteBudget:
@@ -497,6 +504,8 @@ class KafkaServer:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.limits.receive_buffer_bytes > 0:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.limits.receive_buffer_bytes)
         queue = _Answers(self.limits.in_flight)
         sender = asyncio.create_task(self._send_loop(queue, writer, conn, peer))
         session = Session(conn, peer, authenticated=self.sasl is None,

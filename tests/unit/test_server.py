@@ -92,6 +92,37 @@ def test_a_connection_that_keeps_sending_outlives_its_limits_and_an_idle_one_doe
     _on_a_connection(check)
 
 
+def test_a_connection_gets_the_configured_receive_buffer() -> None:
+    """Client connections get socket_receive_buffer_bytes as their SO_RCVBUF
+    (what a client can send past a connection that is not read); -1 leaves
+    the system's own, which grows with the traffic."""
+    import socket
+
+    async def metadata(hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
+        return {"throttle_time_ms": 0, "brokers": [], "cluster_id": "c", "controller_id": -1, "topics": []}
+
+    async def run(receive_buffer: int) -> int:
+        limits = ConnectionLimits(1 << 20, 1 << 20, 10, read_timeout_s=5, idle_timeout_s=5, write_timeout_s=5,
+                                  receive_buffer_bytes=receive_buffer)
+        server = KafkaServer({METADATA.key: metadata}, "127.0.0.1", 0, limits)
+        await server.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(_request(1))
+            assert await _answer(reader) == 1  # the connection is being served
+            (accepted,) = server._conns.values()
+            size = accepted.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            writer.close()
+            return size
+        finally:
+            await server.close()
+
+    assert 64 << 10 <= asyncio.run(run(64 << 10)) <= 128 << 10  # Linux reports twice what was set
+    with socket.socket() as s:
+        default = s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    assert asyncio.run(run(-1)) == default
+
+
 def test_a_frame_that_stops_after_its_size_is_closed_at_the_read_limit() -> None:
     async def check(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(_request(1))
