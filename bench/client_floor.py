@@ -19,7 +19,8 @@ With --answer-ms D the listener answers each request D ms after it came
 instead, as a broker whose node flush takes D ms would: what the client
 makes of a broker's latency, with the connection's in-flight limit
 (--max-in-flight, max_in_flight_requests) holding back its reading as the
-broker's does.
+broker's does, and the broker's receive buffer (--receive-buffer,
+socket_receive_buffer_bytes) holding what the client sends past it.
 
 For each P: records acknowledged, ack p50/p99 and the p99 as a ratio to the
 first P, and the CPU cores of the producer (this process: librdkafka's
@@ -27,7 +28,7 @@ threads and the loop offering records; or Sarama's Go process, which it
 waits for) and of the listener.
 
     python -m bench.client_floor [--partitions 1,10000] [--rate 2000] [--seconds 30] [--client sarama]
-                                 [--answer-ms 0] [--max-in-flight 1000]
+                                 [--answer-ms 0] [--max-in-flight 1000] [--receive-buffer 102400]
 """
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ TOPIC = "bench"
 TOPIC_ID = bytes(range(16))
 
 
-def serve(partitions: int, answer_ms: float, in_flight: int, ports: mp.Queue) -> None:
+def serve(partitions: int, answer_ms: float, limits: ConnectionLimits, ports: mp.Queue) -> None:
     """A listener that answers every Produce request answer_ms after it came (at once: 0), for a topic of
-    `partitions` partitions, reading at most in_flight requests of a connection ahead of their answers."""
+    `partitions` partitions, under the broker's connection limits (its in-flight limit and receive buffer)."""
 
     async def main() -> None:
         header, data = bytearray(16), bytearray(1 << 24)
@@ -78,7 +79,6 @@ def serve(partitions: int, answer_ms: float, in_flight: int, ports: mp.Queue) ->
             else:
                 respond(answers)
 
-        limits = ConnectionLimits.from_config(Config(max_in_flight_requests=in_flight))
         server = KafkaServer({schemas.API_VERSIONS.key: api_versions, schemas.METADATA.key: metadata},
                              "127.0.0.1", 0, limits, produce_run=produce_run)
         await server.start()
@@ -99,6 +99,8 @@ def main() -> None:
                     help="answer each Produce this long after it came, as a broker whose flush takes that long")
     ap.add_argument("--max-in-flight", type=int, default=Config().max_in_flight_requests,
                     help="the listener's max_in_flight_requests")
+    ap.add_argument("--receive-buffer", type=int, default=Config().socket_receive_buffer_bytes,
+                    help="the listener's socket_receive_buffer_bytes (-1: the system's)")
     ap.add_argument("--client", choices=sorted(OFFERS), default="librdkafka", help="who offers the load")
     args = ap.parse_args()
     offer = OFFERS[args.client]
@@ -106,13 +108,15 @@ def main() -> None:
         sarama_offer()  # compiled before any load is measured
     when = f"{args.answer_ms:g} ms after each request" if args.answer_ms else "at once"
     print(f"{args.rate} records/s of 1 KiB for {args.seconds:g} s from {args.client}, acks=all, linger 5 ms, to a "
-          f"listener that answers {when}, {args.max_in_flight} requests in flight at most (ratio to the first P "
-          "in brackets)")
+          f"listener that answers {when}, {args.max_in_flight} requests in flight at most, receive buffer "
+          f"{args.receive_buffer} B (ratio to the first P in brackets)")
     print(f"{'P':>6} {'acked':>13} {'ack p50 ms':>11} {'ack p99 ms':>17} {'producer cores':>15} {'listener cores':>15}")
     first = None
+    limits = ConnectionLimits.from_config(Config(max_in_flight_requests=args.max_in_flight,
+                                                 socket_receive_buffer_bytes=args.receive_buffer))
     for partitions in [int(p) for p in args.partitions.split(",")]:
         ports: mp.Queue = mp.Queue()
-        listener = mp.Process(target=serve, args=(partitions, args.answer_ms, args.max_in_flight, ports), daemon=True)
+        listener = mp.Process(target=serve, args=(partitions, args.answer_ms, limits, ports), daemon=True)
         listener.start()
         try:
             port = ports.get(timeout=30)
