@@ -7,6 +7,7 @@ order with the others."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -96,8 +97,6 @@ def test_a_connection_gets_the_configured_receive_buffer() -> None:
     """Client connections get socket_receive_buffer_bytes as their SO_RCVBUF
     (what a client can send past a connection that is not read); -1 leaves
     the system's own, which grows with the traffic."""
-    import socket
-
     async def metadata(hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         return {"throttle_time_ms": 0, "brokers": [], "cluster_id": "c", "controller_id": -1, "topics": []}
 
