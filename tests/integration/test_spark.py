@@ -29,23 +29,24 @@ T0 = 1_700_000_000_000
 KEEP = {"retention.ms": "-1"}
 
 
+def compacting_broker(stack, path, compaction_lag_ms: int) -> Iterator[BrokerProcess]:
+    b = BrokerProcess(stack, path, f"m{uuid.uuid4().hex[:10]}", auto_create_topics="true", default_partitions=1,
+                      compaction_lag_ms=compaction_lag_ms).start()
+    yield b
+    b.stop()
+
+
 @pytest.fixture(scope="module")
 def broker(stack, tmp_path_factory) -> Iterator[BrokerProcess]:
     """Compacting half a second after a flush: a reader without etcd finds compacted segments only."""
-    b = BrokerProcess(stack, tmp_path_factory.mktemp("broker"), f"m{uuid.uuid4().hex[:10]}",
-                      auto_create_topics="true", default_partitions=1, compaction_lag_ms=500).start()
-    yield b
-    b.stop()
+    yield from compacting_broker(stack, tmp_path_factory.mktemp("broker"), 500)
 
 
 @pytest.fixture
 def late_broker(stack, tmp_path) -> Iterator[BrokerProcess]:
     """Compacting 5 s after a flush: a produce that takes longer than half a
     second on a busy machine is still compacted in one piece."""
-    b = BrokerProcess(stack, tmp_path, f"m{uuid.uuid4().hex[:10]}", auto_create_topics="true",
-                      default_partitions=1, compaction_lag_ms=5000).start()
-    yield b
-    b.stop()
+    yield from compacting_broker(stack, tmp_path, 5000)
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,13 @@ from kafscale.protocol.schemas import METADATA, PRODUCE
 LIMIT_S = 0.4  # both the idle and the read limit
 
 
-async def _server(slow_s: float = 0) -> KafkaServer:
+async def _server(slow_s: float = 0, receive_buffer_bytes: int = -1) -> KafkaServer:
     async def metadata(hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         await asyncio.sleep(slow_s)
         return {"throttle_time_ms": 0, "brokers": [], "cluster_id": "c", "controller_id": -1, "topics": []}
 
     limits = ConnectionLimits(1 << 20, 1 << 20, 10, read_timeout_s=LIMIT_S, idle_timeout_s=LIMIT_S,
-                              write_timeout_s=5)
+                              write_timeout_s=5, receive_buffer_bytes=receive_buffer_bytes)
     server = KafkaServer({METADATA.key: metadata}, "127.0.0.1", 0, limits)
     await server.start()
     return server
@@ -97,14 +97,8 @@ def test_a_connection_gets_the_configured_receive_buffer() -> None:
     """Client connections get socket_receive_buffer_bytes as their SO_RCVBUF
     (what a client can send past a connection that is not read); -1 leaves
     the system's own, which grows with the traffic."""
-    async def metadata(hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
-        return {"throttle_time_ms": 0, "brokers": [], "cluster_id": "c", "controller_id": -1, "topics": []}
-
     async def run(receive_buffer: int) -> int:
-        limits = ConnectionLimits(1 << 20, 1 << 20, 10, read_timeout_s=5, idle_timeout_s=5, write_timeout_s=5,
-                                  receive_buffer_bytes=receive_buffer)
-        server = KafkaServer({METADATA.key: metadata}, "127.0.0.1", 0, limits)
-        await server.start()
+        server = await _server(receive_buffer_bytes=receive_buffer)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             writer.write(_request(1))
