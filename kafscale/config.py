@@ -17,6 +17,9 @@ class ConfigError(ValueError):
     """A setting is unknown or has an unusable value."""
 
 
+_SOCKOPT_INT_MAX = 2**31 - 1  # setsockopt takes a C int
+
+
 def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -128,6 +131,10 @@ class Config:
 
     def __post_init__(self) -> None:
         self.sasl_mechanism_list()
+        rcvbuf = self.socket_receive_buffer_bytes
+        if rcvbuf != -1 and not 0 < rcvbuf <= _SOCKOPT_INT_MAX:
+            raise ConfigError(f"socket_receive_buffer_bytes must be -1 (the system's) or 1..{_SOCKOPT_INT_MAX} "
+                              f"bytes, not {rcvbuf}")
 
     def sasl_mechanism_list(self) -> tuple[str, ...]:
         mechs = tuple(m.strip().upper() for m in self.sasl_mechanisms.split(",") if m.strip())

@@ -40,6 +40,13 @@ def test_unknown_file_key(tmp_path):
         config.load(parse(["--config", str(f)]), environ={})
 
 
+def test_receive_buffer_is_minus_one_or_a_socket_option_int():
+    assert config.load(environ={"KAFSCALE_SOCKET_RECEIVE_BUFFER_BYTES": "-1"}).socket_receive_buffer_bytes == -1
+    for bad in ("0", "-2", str(2**31)):
+        with pytest.raises(config.ConfigError, match="socket_receive_buffer_bytes"):
+            config.load(environ={"KAFSCALE_SOCKET_RECEIVE_BUFFER_BYTES": bad})
+
+
 def test_configuration_reference_lists_every_field():
     """docs/configuration.md names every flag and variable with its default."""
     import dataclasses
