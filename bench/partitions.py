@@ -20,9 +20,11 @@ its workers', SeaweedFS's and etcd's apart), the producer's (this
 process: librdkafka's threads and the loop offering records), the whole
 machine's, and the log process's peak RSS. From the broker's own /metrics, where an acknowledgement's
 time goes: Produce request p50/p99/max (arrival to response, in the workers),
-node object PUT, etcd commit and how late the log process's event loop runs
+node object PUT, etcd commit, how late the log process's event loop runs
 what is due (each the upper bound of its histogram bucket; a busy loop makes
-the PUTs and commits look slower, as their completions wait for it). From
+the PUTs and commits look slower, as their completions wait for it), and how
+often and how long the producer's connection was not read because it had
+max_in_flight_requests unanswered (its requests then wait in the client). From
 etcd's own /metrics, its WAL fsyncs and backend commits p99/max: node objects
 commit in order, so one slow fsync holds every acknowledgement behind it while
 adding only one slow commit to the broker's histogram.
@@ -226,6 +228,7 @@ BROKER_HISTOGRAMS: dict[str, tuple[str, tuple[str, str] | None]] = {  # column: 
     "PUT": ("kafscale_s3_request_seconds", ("op", "put")),
     "commit": ("kafscale_etcd_commit_seconds", None),
     "log loop lag": ("kafscale_event_loop_lag_seconds", ("process", "log")),
+    "in-flight pause": ("kafscale_connection_paused_seconds", None),
 }
 
 
@@ -285,7 +288,8 @@ def stage_ms(before: dict[str, dict[float, float]], after: dict[str, dict[float,
 
 def stages_text(stages: dict[str, tuple[float, float, float]]) -> str:
     """stage_ms's figures as "column p50/p99/max, ..."."""
-    return ", ".join(f"{col} {p50:g}/{p99:g}/{top:g}" for col, (p50, p99, top) in stages.items())
+    return ", ".join(f"{col} {p50:g}/{p99:g}/{top:g}" if p50 == p50 else f"{col} none"  # nan: none observed
+                     for col, (p50, p99, top) in stages.items())
 
 
 @dataclass
@@ -314,6 +318,7 @@ class Run:
     broker_ms: dict[str, tuple[float, float, float]]  # BROKER_HISTOGRAMS column -> (p50, p99, max) in ms
     etcd_ms: dict[str, tuple[float, float, float]]  # ETCD_HISTOGRAMS column -> (p50, p99, max) in ms
     produce_requests: float
+    pauses: float  # times a client connection was not read for its in-flight limit (max_in_flight_requests)
     compacted_s: float  # from the last acknowledgement until every node object is compacted away
     rewrote: dict[str, float]  # bytes compaction rewrote from the load's start until compacted_s: slices, merged
     probe_put_p99: float  # seconds, a 64 KiB PUT by the StorageProbe during the load
@@ -508,7 +513,8 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
         end, hist_end = stack.server_counts(), histogram_buckets(broker_url, BROKER_HISTOGRAMS)
         broker_ms = stage_ms(hist, hist_end)
         etcd_ms = stage_ms(disk, histogram_buckets(etcd_url, ETCD_HISTOGRAMS))
-        requests = hist_end["produce"].get(float("inf"), 0) - hist["produce"].get(float("inf"), 0)
+        requests, pauses = (hist_end[col].get(float("inf"), 0) - hist[col].get(float("inf"), 0)
+                            for col in ("produce", "in-flight pause"))
         compacted = compacted_s(stack, cluster, drain)
         rewrote = {k: v - compacted_before[k] for k, v in compacted_bytes(broker_url).items()}
         peak = rss_kib(log_process, "VmHWM") / 1024
@@ -520,7 +526,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
                (start["db"] / (1 << 20), end["db"] / (1 << 20)),
                lat, cpu.cores["broker"], {k: cpu.cores[k] for k in ("log process", "workers", "SeaweedFS", "etcd")},
                cpu.cores["bench client"], machine, peak, idle, open_s, broker_ms, etcd_ms,
-               requests, compacted, rewrote, pct(probe.puts, 0.99), pct(probe.txns, 0.99), reference)
+               requests, pauses, compacted, rewrote, pct(probe.puts, 0.99), pct(probe.txns, 0.99), reference)
 
 
 def report(runs: list[Run], idle_bound: float) -> None:
@@ -543,7 +549,7 @@ def report(runs: list[Run], idle_bound: float) -> None:
                   f"{cell(r.peak_rss_mib, base.peak_rss_mib):>14} {r.keys:>11.0f} {r.idle_kib_per_partition:>10.1f} "
                   f"{r.open_s:>7.1f} {cell(r.compacted_s, base.compacted_s, '.1f'):>15}")
             print(f"       in the broker: {r.per_s('produce_requests'):.0f} Produce requests/s, {r.per_s('gets'):.0f} "
-                  f"S3 GETs/s; p50/p99/max ms: {stages_text(r.broker_ms)}")
+                  f"S3 GETs/s, {r.per_s('pauses'):.0f} in-flight pauses/s; p50/p99/max ms: {stages_text(r.broker_ms)}")
             if r.rewrote["slices"]:
                 print(f"       compaction rewrote {r.rewrote['slices'] / (1 << 20):.1f} MiB of slices and "
                       f"{r.rewrote['merged'] / (1 << 20):.1f} MiB of merged segments: write amplification "

@@ -29,6 +29,10 @@ REQUESTS = Counter("kafscale_requests", "Kafka requests answered, by API and pro
                    ["node", "process", "api"])
 REQUEST_SECONDS = Histogram("kafscale_request_seconds", "Time from a request's arrival to its response",
                             ["node", "api"], buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
+CONNECTION_PAUSED_SECONDS = Histogram(
+    "kafscale_connection_paused_seconds", "How long each time a client connection was not read because it had "
+    "max_in_flight_requests requests read and not yet answered", ["node", "process"],
+    buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
 PRODUCE_BYTES = Counter("kafscale_produce_bytes", "Record batch bytes accepted by Produce", ["node", "process"])
 FETCH_BYTES = Counter("kafscale_fetch_bytes", "Record batch bytes returned by Fetch", ["node", "process"])
 SEGMENT_READS = Counter("kafscale_segment_reads", "Fetch reads of committed segments, by where they came from",

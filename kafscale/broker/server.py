@@ -517,7 +517,9 @@ class KafkaServer:
         try:
             while not sender.done():
                 if queue.count >= queue.limit:
+                    paused = time.perf_counter()
                     await queue.wait_room()
+                    _pause_metric().observe(time.perf_counter() - paused)
                     continue
                 if runs and session.authenticated and not session.raw_tokens:
                     if not await frames.fill():
@@ -802,6 +804,12 @@ def _request_metrics(api_key: int) -> tuple[Any, Any]:
     name = APIS[api_key].name
     return (metrics.Tally(metrics.REQUESTS.labels(metrics.node(), metrics.process(), name)),
             metrics.HistogramTally(metrics.REQUEST_SECONDS.labels(metrics.node(), name)))
+
+
+@functools.cache
+def _pause_metric() -> metrics.HistogramTally:
+    """This process's histogram of the times a connection was not read for its in-flight limit."""
+    return metrics.HistogramTally(metrics.CONNECTION_PAUSED_SECONDS.labels(metrics.node(), metrics.process()))
 
 
 def _count_request(api_key: int, started: float, n: int = 1) -> None:

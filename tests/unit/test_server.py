@@ -13,6 +13,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from prometheus_client import REGISTRY
+
+from kafscale import metrics
 from kafscale.broker.context import RequestContext
 from kafscale.broker.server import (
     ConnectionLimits,
@@ -252,11 +255,18 @@ def test_the_in_flight_limit_holds_back_reading() -> None:
     """A connection with max in-flight requests read and not yet answered is
     read no further until answers go out (a run takes no more requests than
     there is room for); then reading goes on, and every answer follows the
-    order of the requests."""
+    order of the requests. Each such wait is in kafscale_connection_paused_seconds."""
     held: list[tuple[RunRespond, list[int]]] = []
 
     def produce_run(hdr: RequestContext, frames: memoryview, count: int, respond: RunRespond) -> None:
         held.append((respond, [parse_header(frame)[2] for frame in run_frames(frames, count)]))
+
+    def paused() -> tuple[float, float]:
+        labels = {"node": metrics.node(), "process": metrics.process()}
+        return tuple(REGISTRY.get_sample_value(f"kafscale_connection_paused_seconds_{what}", labels) or 0.0
+                     for what in ("count", "sum"))  # type: ignore[return-value]
+
+    paused_before = paused()
 
     async def run() -> None:
         limits = ConnectionLimits(1 << 20, 1 << 20, 3, read_timeout_s=5, idle_timeout_s=5, write_timeout_s=5)
@@ -275,6 +285,9 @@ def test_the_in_flight_limit_holds_back_reading() -> None:
                     respond(encode_produce_responses([(i, 9, {"responses": [], "throttle_time_ms": 0}) for i in ids]))
                 answers += [await asyncio.wait_for(_answer(reader), 5) for _, ids in answering for _ in ids]
             assert answers == list(range(20))
+            count, seconds = paused()
+            assert count - paused_before[0] >= 6  # 20 requests, 3 at a time: a wait before each next 3
+            assert seconds - paused_before[1] >= (count - paused_before[0]) * 0.05  # answers came every 0.1 s
             writer.close()
             await _budget_given_back(server)
         finally:
