@@ -39,7 +39,7 @@ from typing import Any
 
 from bench.e2e import CpuMeter, pct
 from bench.listener import staged_answers
-from bench.partitions import OFFERS, sarama_offer
+from bench.partitions import add_client_arguments, client_offer, sarama_offer
 from kafscale import _native
 from kafscale.broker.context import RequestContext
 from kafscale.broker.server import ConnectionLimits, KafkaServer, RunRespond
@@ -101,15 +101,17 @@ def main() -> None:
                     help="the listener's max_in_flight_requests")
     ap.add_argument("--receive-buffer", type=int, default=Config().socket_receive_buffer_bytes,
                     help="the listener's socket_receive_buffer_bytes (-1: the system's)")
-    ap.add_argument("--client", choices=sorted(OFFERS), default="librdkafka", help="who offers the load")
+    add_client_arguments(ap, "who offers the load")
     args = ap.parse_args()
-    offer = OFFERS[args.client]
+    offer = client_offer(args.client, args.send_buffer)
     if args.client == "sarama":
         sarama_offer()  # compiled before any load is measured
     when = f"{args.answer_ms:g} ms after each request" if args.answer_ms else "at once"
+    sndbuf = f"{args.send_buffer} B" if args.send_buffer else "the system's"
     print(f"{args.rate} records/s of 1 KiB for {args.seconds:g} s from {args.client}, acks=all, linger 5 ms, to a "
           f"listener that answers {when}, {args.max_in_flight} requests in flight at most, receive buffer "
-          f"{args.receive_buffer} B (ratio to the first P in brackets)")
+          f"{args.receive_buffer} B, client send buffer {sndbuf} "
+          f"(ratio to the first P in brackets)")
     print(f"{'P':>6} {'acked':>13} {'ack p50 ms':>11} {'ack p99 ms':>17} {'producer cores':>15} {'listener cores':>15}")
     first = None
     limits = ConnectionLimits.from_config(Config(max_in_flight_requests=args.max_in_flight,

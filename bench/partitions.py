@@ -46,7 +46,7 @@ own P = 1.
 
     python -m bench.partitions [--partitions 1,100,1000,10000] [--rates 2000,20000]
                                [--modes node,partition] [--seconds 15] [--drain 180] [--rounds 1]
-                               [--s3-on-disk] [--client librdkafka|sarama|aiokafka]
+                               [--s3-on-disk] [--client librdkafka|sarama|aiokafka] [--send-buffer B]
 
 --client names the producer that offers the load. librdkafka (the default)
 sends a Produce request per partition batch: at 2,000 records/s over 100 or
@@ -54,6 +54,10 @@ more partitions, a request a record. Sarama (Go, bench/go/sarama_offer, built
 against Debian's golang-github-shopify-sarama-dev) and aiokafka send a broker
 one request holding every partition's ready batch, as Kafka's Java client
 does; aiokafka's own cost per record (pure Python) is the highest.
+--send-buffer sets librdkafka's socket.send.buffer.bytes (default 0, the
+system's: over loopback Linux lets it grow to megabytes, thousands of small
+requests the client counts as sent while the broker does not read them;
+Kafka's Java producer asks for 128 KiB).
 
 With --rounds N every P runs N times, in turn (1, 100, 1,000, then 1 again),
 and each P's medians over the rounds follow the tables: of its figures, and
@@ -395,13 +399,15 @@ class Delivered:
                 max(self.last_ack - self.start, seconds))
 
 
-def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float
+def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float, send_buffer: int = 0
           ) -> tuple[int, int, int, list[float], float]:
     """Offer rate records/s for seconds, then wait up to drain s for the acknowledgements:
-    (offered, acked, failed, sorted ack latencies, seconds from the first record to the last ack)."""
+    (offered, acked, failed, sorted ack latencies, seconds from the first record to the last ack).
+    send_buffer: librdkafka's socket.send.buffer.bytes (0: the system's)."""
     p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": LINGER_MS,
                   "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 2 * 1024 * 1024,
-                  "message.timeout.ms": int((seconds + drain) * 1000), "compression.type": "none"})
+                  "message.timeout.ms": int((seconds + drain) * 1000), "compression.type": "none",
+                  "socket.send.buffer.bytes": send_buffer})
     p.produce(topic, value=b"warm-up", partition=0)  # the client's connection and metadata are not the broker's
     p.flush(60)  # latency (they added 70-150 ms to the first records, a third of P = 1's p99)
     value = os.urandom(RECORD)
@@ -483,8 +489,23 @@ def offer_sarama(bootstrap: str, topic: str, partitions: int, rate: int, seconds
 OFFERS = {"librdkafka": offer, "aiokafka": offer_aiokafka, "sarama": offer_sarama}  # --client: who offers the load
 
 
+def client_offer(client: str, send_buffer: int) -> Callable[..., tuple[int, int, int, list[float], float]]:
+    """The offer of --client, with --send-buffer (librdkafka's only)."""
+    if client == "librdkafka":
+        return functools.partial(offer, send_buffer=send_buffer)
+    if send_buffer:
+        raise SystemExit("--send-buffer is librdkafka's socket.send.buffer.bytes")
+    return OFFERS[client]
+
+
+def add_client_arguments(ap: argparse.ArgumentParser, client_help: str) -> None:
+    ap.add_argument("--client", choices=sorted(OFFERS), default="librdkafka", help=client_help)
+    ap.add_argument("--send-buffer", type=int, default=0, help="librdkafka's socket.send.buffer.bytes (0: the "
+                    "system's, which grows to megabytes over loopback)")
+
+
 def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int, rate: int, seconds: float,
-            drain: float, producer: str = "librdkafka") -> Run:
+            drain: float, producer: str = "librdkafka", send_buffer: int = 0) -> Run:
     cluster = f"p{partitions}r{rate}{uuid.uuid4().hex[:4]}"
     admin = f"127.0.0.1:{free_port()}"
     reference = reference_ms()
@@ -507,7 +528,8 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
             etcd, weed = (p.pid for p in stack.procs)
             with CpuMeter({"broker": [proc.pid, log_process, *workers], "log process": [log_process],
                            "workers": workers, "SeaweedFS": [weed], "etcd": [etcd]}) as cpu:
-                offered, acked, failed, lat, secs = OFFERS[producer](bootstrap, topic, partitions, rate, seconds,
+                offered, acked, failed, lat, secs = client_offer(producer, send_buffer)(bootstrap, topic, partitions,
+                                                                                        rate, seconds,
                                                                     drain)
             machine = (machine_busy_s() - busy[0]) / (time.perf_counter() - busy[1])
         end, hist_end = stack.server_counts(), histogram_buckets(broker_url, BROKER_HISTOGRAMS)
@@ -617,10 +639,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run every P this many times, in turn, and report the "
                     "medians too")
     ap.add_argument("--s3-on-disk", action="store_true", help="keep SeaweedFS's objects on etcd's disk")
-    ap.add_argument("--client", choices=sorted(OFFERS), default="librdkafka",
-                    help="the producer that offers the load (aiokafka and sarama: a request per broker, not per "
-                    "partition)")
+    add_client_arguments(ap, "the producer that offers the load (aiokafka and sarama: a request per broker, not "
+                         "per partition)")
     args = ap.parse_args()
+    client_offer(args.client, args.send_buffer)  # refuses --send-buffer for the others before anything starts
     counts = sorted(int(x) for x in args.partitions.split(","))
     if args.client == "sarama":
         sarama_offer()
@@ -632,13 +654,14 @@ def main() -> None:
             etcd_p99 = pct(asyncio.run(etcd_txn_latencies(stack)), 0.99)
             bound = latency_bound(put_p99, etcd_p99)
             print(f"64 KiB S3 PUT p99 {put_p99 * 1000:.1f} ms, etcd transaction p99 {etcd_p99 * 1000:.1f} ms; "
-                  f"the load offered by a {args.client} producer")
+                  f"the load offered by a {args.client} producer"
+                  + (f" with a {args.send_buffer} B send buffer" if args.send_buffer else ""))
             runs = []
             for mode in args.modes.split(","):
                 for rate in (int(x) for x in args.rates.split(",")):
                     for rnd, n in itertools.product(range(args.rounds), counts):
                         runs.append(measure(stack, Path(tmp), mode, rnd, n, rate, args.seconds, args.drain,
-                                            args.client))
+                                            args.client, args.send_buffer))
                         r = runs[-1]
                         print(f"{mode} P={n} rate={rate} round {rnd + 1}: {r.acked}/{r.offered} acked in "
                               f"{r.seconds:.1f} s", flush=True)
