@@ -526,11 +526,10 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
             hist, disk = histogram_buckets(broker_url, BROKER_HISTOGRAMS), histogram_buckets(etcd_url, ETCD_HISTOGRAMS)
             busy = machine_busy_s(), time.perf_counter()
             etcd, weed = (p.pid for p in stack.procs)
+            offer_load = client_offer(producer, send_buffer)
             with CpuMeter({"broker": [proc.pid, log_process, *workers], "log process": [log_process],
                            "workers": workers, "SeaweedFS": [weed], "etcd": [etcd]}) as cpu:
-                offered, acked, failed, lat, secs = client_offer(producer, send_buffer)(bootstrap, topic, partitions,
-                                                                                        rate, seconds,
-                                                                    drain)
+                offered, acked, failed, lat, secs = offer_load(bootstrap, topic, partitions, rate, seconds, drain)
             machine = (machine_busy_s() - busy[0]) / (time.perf_counter() - busy[1])
         end, hist_end = stack.server_counts(), histogram_buckets(broker_url, BROKER_HISTOGRAMS)
         broker_ms = stage_ms(hist, hist_end)
