@@ -489,7 +489,10 @@ def offer_sarama(bootstrap: str, topic: str, partitions: int, rate: int, seconds
 OFFERS = {"librdkafka": offer, "aiokafka": offer_aiokafka, "sarama": offer_sarama}  # --client: who offers the load
 
 
-def client_offer(client: str, send_buffer: int) -> Callable[..., tuple[int, int, int, list[float], float]]:
+Offer = Callable[..., tuple[int, int, int, list[float], float]]  # offer's signature
+
+
+def client_offer(client: str, send_buffer: int) -> Offer:
     """The offer of --client, with --send-buffer (librdkafka's only)."""
     if client == "librdkafka":
         return functools.partial(offer, send_buffer=send_buffer)
@@ -505,7 +508,7 @@ def add_client_arguments(ap: argparse.ArgumentParser, client_help: str) -> None:
 
 
 def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int, rate: int, seconds: float,
-            drain: float, producer: str = "librdkafka", send_buffer: int = 0) -> Run:
+            drain: float, offer_load: Offer = offer) -> Run:
     cluster = f"p{partitions}r{rate}{uuid.uuid4().hex[:4]}"
     admin = f"127.0.0.1:{free_port()}"
     reference = reference_ms()
@@ -526,7 +529,6 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
             hist, disk = histogram_buckets(broker_url, BROKER_HISTOGRAMS), histogram_buckets(etcd_url, ETCD_HISTOGRAMS)
             busy = machine_busy_s(), time.perf_counter()
             etcd, weed = (p.pid for p in stack.procs)
-            offer_load = client_offer(producer, send_buffer)
             with CpuMeter({"broker": [proc.pid, log_process, *workers], "log process": [log_process],
                            "workers": workers, "SeaweedFS": [weed], "etcd": [etcd]}) as cpu:
                 offered, acked, failed, lat, secs = offer_load(bootstrap, topic, partitions, rate, seconds, drain)
@@ -641,7 +643,7 @@ def main() -> None:
     add_client_arguments(ap, "the producer that offers the load (aiokafka and sarama: a request per broker, not "
                          "per partition)")
     args = ap.parse_args()
-    client_offer(args.client, args.send_buffer)  # refuses --send-buffer for the others before anything starts
+    offer_load = client_offer(args.client, args.send_buffer)  # refuses --send-buffer for the others at once
     counts = sorted(int(x) for x in args.partitions.split(","))
     if args.client == "sarama":
         sarama_offer()
@@ -660,7 +662,7 @@ def main() -> None:
                 for rate in (int(x) for x in args.rates.split(",")):
                     for rnd, n in itertools.product(range(args.rounds), counts):
                         runs.append(measure(stack, Path(tmp), mode, rnd, n, rate, args.seconds, args.drain,
-                                            args.client, args.send_buffer))
+                                            offer_load))
                         r = runs[-1]
                         print(f"{mode} P={n} rate={rate} round {rnd + 1}: {r.acked}/{r.offered} acked in "
                               f"{r.seconds:.1f} s", flush=True)

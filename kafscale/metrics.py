@@ -27,12 +27,12 @@ _tallies: list[Tally] = []
 
 REQUESTS = Counter("kafscale_requests", "Kafka requests answered, by API and process",
                    ["node", "process", "api"])
+_REQUEST_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10)  # seconds, a client's waits
 REQUEST_SECONDS = Histogram("kafscale_request_seconds", "Time from a request's arrival to its response",
-                            ["node", "api"], buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
+                            ["node", "api"], buckets=_REQUEST_BUCKETS)
 CONNECTION_PAUSED_SECONDS = Histogram(
     "kafscale_connection_paused_seconds", "How long each time a client connection was not read because it had "
-    "max_in_flight_requests requests read and not yet answered", ["node", "process"],
-    buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
+    "max_in_flight_requests requests read and not yet answered", ["node", "process"], buckets=_REQUEST_BUCKETS)
 PRODUCE_BYTES = Counter("kafscale_produce_bytes", "Record batch bytes accepted by Produce", ["node", "process"])
 FETCH_BYTES = Counter("kafscale_fetch_bytes", "Record batch bytes returned by Fetch", ["node", "process"])
 SEGMENT_READS = Counter("kafscale_segment_reads", "Fetch reads of committed segments, by where they came from",
