@@ -18,7 +18,11 @@ acknowledged; then how long until every node object is compacted away
 is the lag, 10 s, plus up to 5 s at best). From /proc: the broker's CPU (all its processes, and its log process's,
 its workers', SeaweedFS's and etcd's apart), the producer's (this
 process: librdkafka's threads and the loop offering records), the whole
-machine's, and the log process's peak RSS. From the broker's own /metrics, where an acknowledgement's
+machine's, and the log process's peak RSS; from the scheduler's per-task
+statistics, how long tasks were runnable but waited for a CPU (how many of
+the machine's on average, and the log process's threads per second they
+ran: past 1, a thread waits longer for the CPU than it runs; every hop of an
+acknowledgement waits). From the broker's own /metrics, where an acknowledgement's
 time goes: Produce request p50/p99/max (arrival to response, in the workers),
 node object PUT, etcd commit, how late the log process's event loop runs
 what is due (each the upper bound of its histogram bucket; a busy loop makes
@@ -78,6 +82,7 @@ import atexit
 import contextlib
 import functools
 import gc
+import glob
 import itertools
 import multiprocessing
 import os
@@ -316,6 +321,9 @@ class Run:
     cpu_of: dict[str, float]  # cores of the log process, the workers, SeaweedFS and etcd
     client_cpu: float  # cores, this process (the producer: librdkafka's threads and the loop offering records)
     machine_cpu: float  # cores busy on the whole machine (etcd and SeaweedFS included)
+    stolen: float  # of those, the hypervisor's steal (machine_busy_s)
+    waiting: float  # tasks of the whole machine runnable but waiting for a CPU, on average (run_queue_waits)
+    log_waited: float  # seconds the log process's threads waited for a CPU per second they ran
     peak_rss_mib: float  # the log process
     idle_kib_per_partition: float
     open_s: float  # one record to every partition, all acknowledged
@@ -353,10 +361,31 @@ def reference_ms(times: int = 5) -> float:
     return statistics.median(once() for _ in range(times)) * 1000
 
 
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine has been busy (not idle, not waiting on I/O) since boot."""
+def machine_busy_s() -> tuple[float, float]:
+    """CPU seconds the whole machine has been busy (not idle, not waiting on
+    I/O) since boot, and of those the hypervisor's steal (its virtual CPUs
+    were not running: to the tasks on them, a CPU taken away)."""
     ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / hz, ticks[7] / hz  # guest time is already in user
+
+
+def run_queue_waits(pid: int | str = "*") -> dict[str, int]:
+    """Nanoseconds each task (thread) of the process pid (every process of the
+    machine: "*") has spent runnable but waiting for a CPU, from the
+    scheduler's per-task statistics (/proc/PID/task/TID/schedstat, second
+    field). A task that ended meanwhile is not counted: wait_s takes the
+    tasks alive at both reads."""
+    waits = {}
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            waits[path] = int(Path(path).read_text().split()[1])
+    return waits
+
+
+def wait_s(before: dict[str, int], after: dict[str, int]) -> float:
+    """Seconds the tasks alive at both run_queue_waits reads waited for a CPU in between."""
+    return sum(after[k] - v for k, v in before.items() if k in after) / 1e9
 
 
 def open_all(bootstrap: str, topic: str, partitions: int) -> None:
@@ -527,12 +556,16 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
         start, compacted_before = stack.server_counts(), compacted_bytes(broker_url)
         with StorageProbe(stack) as probe:
             hist, disk = histogram_buckets(broker_url, BROKER_HISTOGRAMS), histogram_buckets(etcd_url, ETCD_HISTOGRAMS)
-            busy = machine_busy_s(), time.perf_counter()
+            since, busy, queued, log_queued = (time.perf_counter(), machine_busy_s(), run_queue_waits(),
+                                               run_queue_waits(log_process))
             etcd, weed = (p.pid for p in stack.procs)
             with CpuMeter({"broker": [proc.pid, log_process, *workers], "log process": [log_process],
                            "workers": workers, "SeaweedFS": [weed], "etcd": [etcd]}) as cpu:
                 offered, acked, failed, lat, secs = offer_load(bootstrap, topic, partitions, rate, seconds, drain)
-            machine = (machine_busy_s() - busy[0]) / (time.perf_counter() - busy[1])
+            wall = time.perf_counter() - since
+            machine, stolen = ((b - a) / wall for a, b in zip(busy, machine_busy_s(), strict=True))
+            waiting = wait_s(queued, run_queue_waits()) / wall
+            log_waited = wait_s(log_queued, run_queue_waits(log_process)) / (cpu.cores["log process"] * wall)
         end, hist_end = stack.server_counts(), histogram_buckets(broker_url, BROKER_HISTOGRAMS)
         broker_ms = stage_ms(hist, hist_end)
         etcd_ms = stage_ms(disk, histogram_buckets(etcd_url, ETCD_HISTOGRAMS))
@@ -548,7 +581,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
                end["gets"] - start["gets"], end["txns"] - start["txns"] - len(probe.txns), end["keys"] - start["keys"],
                (start["db"] / (1 << 20), end["db"] / (1 << 20)),
                lat, cpu.cores["broker"], {k: cpu.cores[k] for k in ("log process", "workers", "SeaweedFS", "etcd")},
-               cpu.cores["bench client"], machine, peak, idle, open_s, broker_ms, etcd_ms,
+               cpu.cores["bench client"], machine, stolen, waiting, log_waited, peak, idle, open_s, broker_ms, etcd_ms,
                requests, pauses, compacted, rewrote, pct(probe.puts, 0.99), pct(probe.txns, 0.99), reference)
 
 
@@ -580,7 +613,10 @@ def report(runs: list[Run], idle_bound: float) -> None:
             disk = ", ".join(f"{col} {p99:g}/{top:g}" for col, (_, p99, top) in r.etcd_ms.items())
             of = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_of.items())
             print(f"       CPU cores: broker {r.cpu:.2f} ({of}), the producer {r.client_cpu:.2f}, the whole machine "
-                  f"{r.machine_cpu:.2f} of {os.cpu_count()}; the machine's reference work {r.reference_ms:.0f} ms")
+                  f"{r.machine_cpu:.2f} of {os.cpu_count()} ({r.stolen:.2f} stolen by the hypervisor); the machine's "
+                  f"reference work {r.reference_ms:.0f} ms")
+            print(f"       waiting for a CPU: {r.waiting:.2f} tasks of the machine on average; the log process's "
+                  f"threads {r.log_waited:.2f} s a second they ran")
             print(f"       in etcd: p99/max ms: {disk}; its DB {r.db_mib[0]:.1f} -> {r.db_mib[1]:.1f} MiB")
             print(f"       storage during the load (the probe): S3 PUT p99 {r.probe_put_p99 * 1000:.1f} ms, etcd "
                   f"transaction p99 {r.probe_txn_p99 * 1000:.1f} ms; bound {r.bound * 1000:.1f} ms, ack p99 / bound "
