@@ -5,7 +5,7 @@ produce() to its delivery report, so every figure includes what the client
 itself takes. With many partitions that is not small: librdkafka keeps a
 queue, a linger timer and a batch per partition and goes through them from
 its broker thread. This bench offers the same load (`bench.partitions.offer`:
-acks=all, linger.ms 5, 1 KiB records, partitions in turn; with --client,
+acks=all, linger.ms 5 or --client-linger-ms, 1 KiB records, partitions in turn; with --client,
 Sarama's or aiokafka's offer of bench.partitions instead) to a Kafka listener
 that answers every Produce request at once: `KafkaServer` in a process of
 its own, with ApiVersions, a Metadata answer naming one topic of P
@@ -29,6 +29,7 @@ waits for) and of the listener.
 
     python -m bench.client_floor [--partitions 1,10000] [--rate 2000] [--seconds 30] [--client sarama]
                                  [--answer-ms 0] [--max-in-flight 1000] [--receive-buffer 102400]
+                                 [--send-buffer 0] [--client-linger-ms 5]
 """
 from __future__ import annotations
 
@@ -103,14 +104,14 @@ def main() -> None:
                     help="the listener's socket_receive_buffer_bytes (-1: the system's)")
     add_client_arguments(ap, "who offers the load")
     args = ap.parse_args()
-    offer = client_offer(args.client, args.send_buffer)
+    offer = client_offer(args.client, args.send_buffer, args.client_linger_ms)
     if args.client == "sarama":
         sarama_offer()  # compiled before any load is measured
     when = f"{args.answer_ms:g} ms after each request" if args.answer_ms else "at once"
     sndbuf = f"{args.send_buffer} B" if args.send_buffer else "the system's"
-    print(f"{args.rate} records/s of 1 KiB for {args.seconds:g} s from {args.client}, acks=all, linger 5 ms, to a "
-          f"listener that answers {when}, {args.max_in_flight} requests in flight at most, receive buffer "
-          f"{args.receive_buffer} B, client send buffer {sndbuf} "
+    print(f"{args.rate} records/s of 1 KiB for {args.seconds:g} s from {args.client}, acks=all, linger "
+          f"{args.client_linger_ms} ms, to a listener that answers {when}, {args.max_in_flight} requests in flight "
+          f"at most, receive buffer {args.receive_buffer} B, client send buffer {sndbuf} "
           f"(ratio to the first P in brackets)")
     print(f"{'P':>6} {'acked':>13} {'ack p50 ms':>11} {'ack p99 ms':>17} {'producer cores':>15} {'listener cores':>15}")
     first = None

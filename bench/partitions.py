@@ -51,6 +51,7 @@ own P = 1.
     python -m bench.partitions [--partitions 1,100,1000,10000] [--rates 2000,20000]
                                [--modes node,partition] [--seconds 15] [--drain 180] [--rounds 1]
                                [--s3-on-disk] [--client librdkafka|sarama|aiokafka] [--send-buffer B]
+                               [--client-linger-ms MS]
 
 --client names the producer that offers the load. librdkafka (the default)
 sends a Produce request per partition batch: at 2,000 records/s over 100 or
@@ -61,7 +62,10 @@ does; aiokafka's own cost per record (pure Python) is the highest.
 --send-buffer sets librdkafka's socket.send.buffer.bytes (default 0, the
 system's: over loopback Linux lets it grow to megabytes, thousands of small
 requests the client counts as sent while the broker does not read them;
-Kafka's Java producer asks for 128 KiB).
+Kafka's Java producer asks for 128 KiB). --client-linger-ms sets the
+producer's linger (default 5 ms, as the broker's; the broker's and the
+latency bound's stay 5 ms): librdkafka sends a request per partition batch,
+and over many partitions a longer linger puts more records in each.
 
 With --rounds N every P runs N times, in turn (1, 100, 1,000, then 1 again),
 and each P's medians over the rounds follow the tables: of its figures, and
@@ -428,12 +432,12 @@ class Delivered:
                 max(self.last_ack - self.start, seconds))
 
 
-def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float, send_buffer: int = 0
-          ) -> tuple[int, int, int, list[float], float]:
+def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float, send_buffer: int = 0,
+          linger_ms: int = LINGER_MS) -> tuple[int, int, int, list[float], float]:
     """Offer rate records/s for seconds, then wait up to drain s for the acknowledgements:
     (offered, acked, failed, sorted ack latencies, seconds from the first record to the last ack).
-    send_buffer: librdkafka's socket.send.buffer.bytes (0: the system's)."""
-    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": LINGER_MS,
+    send_buffer: librdkafka's socket.send.buffer.bytes (0: the system's); linger_ms: its linger.ms."""
+    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": linger_ms,
                   "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 2 * 1024 * 1024,
                   "message.timeout.ms": int((seconds + drain) * 1000), "compression.type": "none",
                   "socket.send.buffer.bytes": send_buffer})
@@ -454,9 +458,9 @@ def offer(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float
     return acks.result(i, seconds)
 
 
-def offer_aiokafka(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float
-                   ) -> tuple[int, int, int, list[float], float]:
-    """offer with an aiokafka producer (acks=all, linger.ms 5) instead: like
+def offer_aiokafka(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float,
+                   linger_ms: int = LINGER_MS) -> tuple[int, int, int, list[float], float]:
+    """offer with an aiokafka producer (acks=all, linger_ms) instead: like
     Kafka's Java client it sends a broker one Produce request holding the
     batches of every partition that has one ready, and one at a time, where
     librdkafka sends one request a partition batch, as many at once as are
@@ -464,7 +468,7 @@ def offer_aiokafka(bootstrap: str, topic: str, partitions: int, rate: int, secon
     from aiokafka import AIOKafkaProducer
 
     async def run() -> tuple[int, int, int, list[float], float]:
-        p = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=LINGER_MS,
+        p = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=linger_ms,
                              request_timeout_ms=int((seconds + drain) * 1000))
         await p.start()
         try:
@@ -501,14 +505,14 @@ def sarama_offer() -> Path:
     return build_go(Path(__file__).parent / "go" / "sarama_offer", out)
 
 
-def offer_sarama(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float
-                 ) -> tuple[int, int, int, list[float], float]:
+def offer_sarama(bootstrap: str, topic: str, partitions: int, rate: int, seconds: float, drain: float,
+                 linger_ms: int = LINGER_MS) -> tuple[int, int, int, list[float], float]:
     """offer with Sarama's asynchronous producer (Go: bench/go/sarama_offer,
     built against Debian's golang-github-shopify-sarama-dev): a request per
     broker holding every partition's ready batch, as aiokafka and Kafka's
     Java client send them, at a compiled client's cost per record."""
     r = subprocess.run([str(sarama_offer()), bootstrap, topic, str(partitions), str(rate), str(seconds), str(drain),
-                        str(LINGER_MS), str(RECORD)], capture_output=True, text=True,
+                        str(linger_ms), str(RECORD)], capture_output=True, text=True,
                        timeout=seconds + drain + 120, check=True)
     head, *lines = r.stdout.split("\n")
     offered, acked, failed, secs = head.split()
@@ -521,19 +525,21 @@ OFFERS = {"librdkafka": offer, "aiokafka": offer_aiokafka, "sarama": offer_saram
 Offer = Callable[..., tuple[int, int, int, list[float], float]]  # offer's signature
 
 
-def client_offer(client: str, send_buffer: int) -> Offer:
-    """The offer of --client, with --send-buffer (librdkafka's only)."""
+def client_offer(client: str, send_buffer: int, linger_ms: int = LINGER_MS) -> Offer:
+    """The offer of --client, with --client-linger-ms and --send-buffer (librdkafka's only)."""
     if client == "librdkafka":
-        return functools.partial(offer, send_buffer=send_buffer)
+        return functools.partial(offer, send_buffer=send_buffer, linger_ms=linger_ms)
     if send_buffer:
         raise SystemExit("--send-buffer is librdkafka's socket.send.buffer.bytes")
-    return OFFERS[client]
+    return functools.partial(OFFERS[client], linger_ms=linger_ms)
 
 
 def add_client_arguments(ap: argparse.ArgumentParser, client_help: str) -> None:
     ap.add_argument("--client", choices=sorted(OFFERS), default="librdkafka", help=client_help)
     ap.add_argument("--send-buffer", type=int, default=0, help="librdkafka's socket.send.buffer.bytes (0: the "
                     "system's, which grows to megabytes over loopback)")
+    ap.add_argument("--client-linger-ms", type=int, default=LINGER_MS, help="the producer's linger (the broker's "
+                    f"stays {LINGER_MS} ms, and so does the latency bound's)")
 
 
 def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int, rate: int, seconds: float,
@@ -679,7 +685,7 @@ def main() -> None:
     add_client_arguments(ap, "the producer that offers the load (aiokafka and sarama: a request per broker, not "
                          "per partition)")
     args = ap.parse_args()
-    offer_load = client_offer(args.client, args.send_buffer)  # refuses --send-buffer for the others at once
+    offer_load = client_offer(args.client, args.send_buffer, args.client_linger_ms)  # refuses a wrong --send-buffer
     counts = sorted(int(x) for x in args.partitions.split(","))
     if args.client == "sarama":
         sarama_offer()
@@ -692,7 +698,8 @@ def main() -> None:
             bound = latency_bound(put_p99, etcd_p99)
             print(f"64 KiB S3 PUT p99 {put_p99 * 1000:.1f} ms, etcd transaction p99 {etcd_p99 * 1000:.1f} ms; "
                   f"the load offered by a {args.client} producer"
-                  + (f" with a {args.send_buffer} B send buffer" if args.send_buffer else ""))
+                  + (f" with a {args.send_buffer} B send buffer" if args.send_buffer else "")
+                  + (f", its linger {args.client_linger_ms} ms" if args.client_linger_ms != LINGER_MS else ""))
             runs = []
             for mode in args.modes.split(","):
                 for rate in (int(x) for x in args.rates.split(",")):
