@@ -374,22 +374,24 @@ def machine_busy_s() -> tuple[float, float]:
     return (sum(ticks[:8]) - ticks[3] - ticks[4]) / hz, ticks[7] / hz  # guest time is already in user
 
 
-def run_queue_waits(pid: int | str = "*") -> dict[str, int]:
-    """Nanoseconds each task (thread) of the process pid (every process of the
-    machine: "*") has spent runnable but waiting for a CPU, from the
-    scheduler's per-task statistics (/proc/PID/task/TID/schedstat, second
-    field). A task that ended meanwhile is not counted: wait_s takes the
-    tasks alive at both reads."""
+def run_queue_waits() -> dict[str, int]:
+    """Nanoseconds each task (thread) of the machine has spent runnable but
+    waiting for a CPU, by its schedstat path, from the scheduler's per-task
+    statistics (/proc/PID/task/TID/schedstat, second field). A task that
+    ended meanwhile is not counted: wait_s takes the tasks alive at both
+    reads."""
     waits = {}
-    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+    for path in glob.glob("/proc/*/task/*/schedstat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             waits[path] = int(Path(path).read_text().split()[1])
     return waits
 
 
-def wait_s(before: dict[str, int], after: dict[str, int]) -> float:
-    """Seconds the tasks alive at both run_queue_waits reads waited for a CPU in between."""
-    return sum(after[k] - v for k, v in before.items() if k in after) / 1e9
+def wait_s(before: dict[str, int], after: dict[str, int], pid: int | None = None) -> float:
+    """Seconds the tasks alive at both run_queue_waits reads (those of process
+    pid only, if given) waited for a CPU in between."""
+    mine = "/proc/" if pid is None else f"/proc/{pid}/task/"
+    return sum(after[k] - v for k, v in before.items() if k in after and k.startswith(mine)) / 1e9
 
 
 def open_all(bootstrap: str, topic: str, partitions: int) -> None:
@@ -562,16 +564,16 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
         start, compacted_before = stack.server_counts(), compacted_bytes(broker_url)
         with StorageProbe(stack) as probe:
             hist, disk = histogram_buckets(broker_url, BROKER_HISTOGRAMS), histogram_buckets(etcd_url, ETCD_HISTOGRAMS)
-            since, busy, queued, log_queued = (time.perf_counter(), machine_busy_s(), run_queue_waits(),
-                                               run_queue_waits(log_process))
+            since, busy, queued = time.perf_counter(), machine_busy_s(), run_queue_waits()
             etcd, weed = (p.pid for p in stack.procs)
             with CpuMeter({"broker": [proc.pid, log_process, *workers], "log process": [log_process],
                            "workers": workers, "SeaweedFS": [weed], "etcd": [etcd]}) as cpu:
                 offered, acked, failed, lat, secs = offer_load(bootstrap, topic, partitions, rate, seconds, drain)
             wall = time.perf_counter() - since
             machine, stolen = ((b - a) / wall for a, b in zip(busy, machine_busy_s(), strict=True))
-            waiting = wait_s(queued, run_queue_waits()) / wall
-            log_waited = wait_s(log_queued, run_queue_waits(log_process)) / (cpu.cores["log process"] * wall)
+            queued_end = run_queue_waits()
+            waiting = wait_s(queued, queued_end) / wall
+            log_waited = wait_s(queued, queued_end, log_process) / (cpu.cores["log process"] * wall)
         end, hist_end = stack.server_counts(), histogram_buckets(broker_url, BROKER_HISTOGRAMS)
         broker_ms = stage_ms(hist, hist_end)
         etcd_ms = stage_ms(disk, histogram_buckets(etcd_url, ETCD_HISTOGRAMS))
