@@ -41,6 +41,7 @@ fsyncs also writes what SeaweedFS wrote since the last one, which no
 deployment does (bench/README.md). The run takes a few GiB of memory there.
 
     python bench/e2e.py [--mib 256] [--rounds 5] [--partitions 1] [--workers 2] [--s3-on-disk]
+    python bench/e2e.py --latency-only [--mib 256] [--rounds 5]   # step 4 alone: fresh, then after a burst
 """
 from __future__ import annotations
 
@@ -354,6 +355,49 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(int(len(xs) * q), len(xs) - 1)]
 
 
+def print_latencies(lat: list[float], lat_busy: list[float], settle_s: float, sync_s: float, bound: float) -> None:
+    """The acks=all latency of single records on the settled broker (histogram), and while it compacted."""
+    print(f"acks=all latency, single 1 KiB records: p50 {pct(lat, 0.5) * 1000:.1f} ms  p99 {pct(lat, 0.99) * 1000:.1f}"
+          f" ms  (bound linger + 2 x PUT p99 = {bound * 1000:.1f} ms; p99 / bound = {pct(lat, 0.99) / bound:.2f})")
+    print(histogram(lat))
+    print(f"  (measured once every node object of the earlier steps was compacted, {settle_s:.1f} s after the "
+          f"same records while they were: p50 {pct(lat_busy, 0.5) * 1000:.1f} ms  p99 {pct(lat_busy, 0.99) * 1000:.1f}"
+          f" ms, p99 / bound = {pct(lat_busy, 0.99) / bound:.2f}; both after writing back the data written so far "
+          f"to disk: os.sync() took {sync_s:.1f} s)")
+
+
+def latency_only(args: argparse.Namespace, linger_ms: int) -> None:
+    """Step 4 alone (--latency-only): the single records' latency on a fresh
+    broker, then after --rounds produces of --mib MiB (the burst the full run
+    leaves its compaction), while it compacts them and once it has."""
+    with stack_dirs(args.s3_on_disk) as (tmp, s3_dir):
+        stack = DevStack(data_dir=tmp, volume_mib=8192, s3_dir=s3_dir).start()
+        try:
+            bound = linger_ms / 1000 + 2 * pct(asyncio.run(put_latencies(stack)), 0.99)
+            cfg = {"workers": str(args.workers), "linger_ms": str(linger_ms),
+                   "cache_bytes": str((args.rounds * args.mib + 128) << 20)}
+            cluster = f"bench{uuid.uuid4().hex[:6]}"
+            proc, bootstrap = ready_broker(stack, Path(tmp), cluster, ("bench1k", "latency"), args.partitions, **cfg)
+            try:
+                fresh = latencies(bootstrap, "latency")
+                for _ in range(args.rounds):
+                    produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
+                t_sync = time.perf_counter()
+                os.sync()
+                sync_s = time.perf_counter() - t_sync
+                lat_busy = latencies(bootstrap, "latency")
+                settle_s = compacted_s(stack, cluster, 180)
+                lat = latencies(bootstrap, "latency")
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+        finally:
+            stack.stop()
+    print(f"acks=all latency, single 1 KiB records, fresh broker: p50 {pct(fresh, 0.5) * 1000:.1f} ms  p99 "
+          f"{pct(fresh, 0.99) * 1000:.1f} ms, p99 / bound = {pct(fresh, 0.99) / bound:.2f}")
+    print_latencies(lat, lat_busy, settle_s, sync_s, bound)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="MiB to write in each measurement")
@@ -362,8 +406,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5,
                     help="raw PUT then broker produce, alternately, this many times (the median ratio counts)")
     ap.add_argument("--s3-on-disk", action="store_true", help="keep SeaweedFS's objects on etcd's disk")
+    ap.add_argument("--latency-only", action="store_true",
+                    help="only the single records' latency: fresh, then after --rounds produces of --mib MiB")
     args = ap.parse_args()
     linger_ms = 5
+    if args.latency_only:
+        latency_only(args, linger_ms)
+        return
     with stack_dirs(args.s3_on_disk) as (tmp, s3_dir):
         # volumes large enough that none fills during the run: a filling volume stalls writes for a moment,
         # and with 1 GiB volumes the boundaries fell in the broker's phases of rounds 2 and 4, never in a raw PUT
@@ -460,13 +509,7 @@ def main() -> None:
         print(f"workers scale: 1 KiB produce with {args.workers} workers / 1 worker: "
               f"{produced[args.workers]:.1f} / {produced[1]:.1f} MiB/s = {produced[args.workers] / produced[1]:.2f}")
     bound = linger_ms / 1000 + 2 * put_p99
-    print(f"acks=all latency, single 1 KiB records: p50 {pct(lat, 0.5) * 1000:.1f} ms  p99 {pct(lat, 0.99) * 1000:.1f}"
-          f" ms  (bound linger + 2 x PUT p99 = {bound * 1000:.1f} ms; p99 / bound = {pct(lat, 0.99) / bound:.2f})")
-    print(histogram(lat))
-    print(f"  (measured once every node object of the earlier steps was compacted, {settle_s:.1f} s after the "
-          f"same records while they were: p50 {pct(lat_busy, 0.5) * 1000:.1f} ms  p99 {pct(lat_busy, 0.99) * 1000:.1f}"
-          f" ms, p99 / bound = {pct(lat_busy, 0.99) / bound:.2f}; both after writing back the data written so far "
-          f"to disk: os.sync() took {sync_s:.1f} s)")
+    print_latencies(lat, lat_busy, settle_s, sync_s, bound)
     for name, (c_mbps, c_get, c_cpu, g_cpu) in cold.items():
         print(f"consume catch-up, cold cache, {name}: {c_mbps:.1f} MiB/s vs raw S3 GET {c_get:.1f} MiB/s (just "
               f"before) = {c_mbps / c_get:.2f}\n  CPU cores used, raw GET: {g_cpu}\n"
