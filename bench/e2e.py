@@ -270,6 +270,22 @@ def latencies(bootstrap: str, topic: str, n: int = 500, gap_s: float = 0.01) -> 
     return sorted(out)
 
 
+def compacting_then_settled(stack: DevStack, cluster: str, bootstrap: str
+                            ) -> tuple[list[float], list[float], float, float]:
+    """Step 4 on a broker that has just taken the earlier steps' data: the
+    data written back to disk first (the store's files and etcd's WAL share
+    it: the gigabytes written so far would be written back meanwhile, and
+    etcd's fsyncs, one per object committed, wait behind them), latencies()
+    while the broker compacts, then once every node object is compacted.
+    Returns those two (settled first), the seconds to settle and os.sync()'s."""
+    t_sync = time.perf_counter()
+    os.sync()
+    sync_s = time.perf_counter() - t_sync
+    lat_busy = latencies(bootstrap, "latency")
+    settle_s = compacted_s(stack, cluster, 180)
+    return latencies(bootstrap, "latency"), lat_busy, settle_s, sync_s
+
+
 def kcat_consume_mbps(bootstrap: str, topic: str, records: int) -> float:
     """MiB/s of values of reading the first `records` records of a topic
     from the beginning with kcat (librdkafka in C), started and timed as a whole."""
@@ -382,12 +398,7 @@ def latency_only(args: argparse.Namespace, linger_ms: int) -> None:
                 fresh = latencies(bootstrap, "latency")
                 for _ in range(args.rounds):
                     produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
-                t_sync = time.perf_counter()
-                os.sync()
-                sync_s = time.perf_counter() - t_sync
-                lat_busy = latencies(bootstrap, "latency")
-                settle_s = compacted_s(stack, cluster, 180)
-                lat = latencies(bootstrap, "latency")
+                lat, lat_busy, settle_s, sync_s = compacting_then_settled(stack, cluster, bootstrap)
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
@@ -460,14 +471,7 @@ def main() -> None:
                     raw, mbps, *_ = sorted(rounds, key=lambda r: r[1] / r[0])[len(rounds) // 2]
                     produced[workers] = mbps
                     secs100, n100 = produce(bootstrap, "bench100", args.partitions, 100, min(args.mib, 64) << 20)
-                    # the store's files and etcd's WAL share this disk: the gigabytes written so far would be
-                    # written back meanwhile, and etcd's fsyncs (one per segment committed) wait behind them
-                    t_sync = time.perf_counter()
-                    os.sync()
-                    sync_s = time.perf_counter() - t_sync
-                    lat_busy = latencies(bootstrap, "latency")
-                    settle_s = compacted_s(stack, cluster, 180)
-                    lat = latencies(bootstrap, "latency")
+                    lat, lat_busy, settle_s, sync_s = compacting_then_settled(stack, cluster, bootstrap)
                     readers = consumers("bench1k", args.partitions, args.rounds * n1k)
                     for name, consume in readers.items():
                         with node_cpu(weed, proc.pid) as cpu:
