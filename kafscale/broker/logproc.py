@@ -1,5 +1,5 @@
 """The log process's service to its workers, over a Unix socket: it answers
-the calls of messages.py (Hello, ProduceCall, Frame, OpenView, GetUser) through
+the calls of messages.py (Hello, ProduceCall, Frames, OpenView, GetUser) through
 one dispatch table, and sends a worker a list of PartitionChanged whenever
 partition logs it has opened a view of (to fetch from them) commit segments
 or slices, move their start offsets or close (the changes of one pass of the
@@ -8,8 +8,10 @@ and every worker AclsChanged when the ACLs change."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kafscale.broker import messages
@@ -22,7 +24,7 @@ from kafscale.broker.shm import SharedArea, SharedCache
 from kafscale.metadata.store import SegmentManifest, has_partition
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import ProduceAnswer
-from kafscale.protocol.schemas import PRODUCE
+from kafscale.protocol.schemas import OFFSET_COMMIT, PRODUCE
 from kafscale.security.acl import AclBinding
 from kafscale.storage.partition import LogError, PartitionLog
 
@@ -68,7 +70,7 @@ class LogService:
 
         calls: dict[type, Any] = {
             messages.Hello: hello, list: lambda msgs: self._produce(id(ch), msgs),  # ProduceCalls
-            messages.Frame: self._frame, messages.OpenView: lambda msg: self._view(ch, msg),
+            messages.Frames: self._frames, messages.OpenView: lambda msg: self._view(ch, msg),
             messages.GetUser: get_user}
 
         async def on_call(msg: Any) -> Any:
@@ -112,12 +114,46 @@ class LogService:
         slot, start, length = payload
         return self.trackers[slot].hold(start, length)
 
-    async def _frame(self, msg: messages.Frame) -> messages.FrameResult:
+    async def _frames(self, msg: messages.Frames) -> list[messages.FrameResult]:
+        """A connection's forwarded requests, taking effect in the order it
+        sent them as on a Kafka broker: each starts once those before it are
+        answered. But consecutive OffsetCommits start at once, and each is
+        queued for its group's etcd write once the one before it is
+        (RequestContext.turn): a consumer committing asynchronously after
+        every message has its commits checked together and written a run at
+        a time, not one etcd read and one transaction each. A request that
+        breaks the protocol ends the run (the worker closes the connection
+        after answering those before it)."""
+        started: list[asyncio.Task[messages.FrameResult]] = []
+        after: Callable[[], Awaitable[None]] | None = None  # the turn after the OffsetCommit before
+        refused: list[messages.FrameResult] = []
+        for f in msg.frames:
+            view = memoryview(f.frame)
+            try:
+                *wire, body_at = parse_header(view)
+            except ProtocolViolation as exc:
+                refused.append(messages.FrameResult(violation=str(exc)))
+                break
+            commit = wire[0] == OFFSET_COMMIT.key
+            if started and not (commit and after is not None):
+                await asyncio.wait(started)
+                if started[-1].result().violation is not None:
+                    break
+            ready = asyncio.Event()
+            hdr = RequestContext(*wire, f.client_host, f.principal, placed=ready.set)
+            if commit and after is not None:
+                hdr.turn = after
+            task = asyncio.create_task(self._answer(hdr, view, body_at))
+            task.add_done_callback(lambda _, e=ready: e.set())
+            started.append(task)
+            after = functools.partial(_after, ready, task) if commit else None
+        results = [*await asyncio.gather(*started), *refused]
+        violation = "a request before it broke the protocol"
+        return results + [messages.FrameResult(violation=violation)] * (len(msg.frames) - len(results))
+
+    async def _answer(self, hdr: RequestContext, frame: memoryview, body_at: int) -> messages.FrameResult:
         try:
-            view = memoryview(msg.frame)
-            *wire, body_at = parse_header(view)
-            hdr = RequestContext(*wire, msg.client_host, msg.principal)
-            chunks = await call_handler(self.broker.handlers, hdr, view, body_at)
+            chunks = await call_handler(self.broker.handlers, hdr, frame, body_at)
         except ProtocolViolation as exc:
             return messages.FrameResult(violation=str(exc))
         return messages.FrameResult(None if chunks is None else b"".join(chunks))
@@ -170,3 +206,11 @@ class LogService:
         for ch in list(self.channels):
             if not ch.closed:
                 ch.send_encoded(encoded)
+
+
+async def _after(ready: asyncio.Event, before: asyncio.Task[messages.FrameResult]) -> None:
+    """The turn of an OffsetCommit after another: once that one is placed
+    or answered, unless it broke the protocol (then neither takes effect)."""
+    await ready.wait()
+    if before.done() and (violation := before.result().violation) is not None:
+        raise ProtocolViolation(violation)

@@ -52,10 +52,17 @@ class ProduceFailed:
 
 @dataclass(frozen=True)
 class Frame:
-    """Any other request, as received; answered with a FrameResult."""
+    """Any other request, as received."""
     client_host: str
     principal: str
     frame: bytes
+
+
+@dataclass(frozen=True)
+class Frames:
+    """Requests one client connection sent, in its order, that the worker had
+    not forwarded yet; answered with a FrameResult each."""
+    frames: list[Frame]
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,8 @@ class Worker:
         self._early: list[messages.PartitionChanged] = []
         # produce calls of each client connection not sent yet, with what answers each
         self._produces: dict[int, list[tuple[messages.ProduceCall, Reply]]] = {}
+        # requests of each client connection for the log process, not sent yet, with what each waits on
+        self._forwards: dict[int, list[tuple[messages.Frame, asyncio.Future[messages.FrameResult]]]] = {}
         # this process's children of the byte counters (a labels() lookup per request cost 4% of a worker)
         self._produce_bytes = metrics.Tally(metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process()))
         self._fetch_bytes = metrics.Tally(metrics.FETCH_BYTES.labels(metrics.node(), metrics.process()))
@@ -237,19 +239,43 @@ class Worker:
 
     async def forward(self, hdr: RequestContext, frame: memoryview) -> list[Any] | None:
         """Have the log process answer a request. A connection's forwarded
-        requests take effect one at a time in the order it sent them, as on a
-        Kafka broker: pipelined OffsetCommits must not race each other."""
+        requests take effect in the order it sent them, as on a Kafka broker:
+        pipelined OffsetCommits must not race each other. One call at a time
+        per connection, carrying every request queued while the one before
+        was under way (LogService._frames keeps their order)."""
         assert self.chan is not None
+        conn = SESSION.get().conn
+        mine: asyncio.Future[messages.FrameResult] = asyncio.get_running_loop().create_future()
+        self._forwards.setdefault(conn, []).append((messages.Frame(hdr.client_host, hdr.principal, bytes(frame)),
+                                                    mine))
+        async with hdr.append_order:  # taken in the order the requests were queued
+            if not mine.done():  # not sent with one before it
+                await self._forward_queued(conn)
         try:
-            async with hdr.append_order:
-                self._send_produces(SESSION.get().conn)  # after the produces the connection sent before it
-                call = messages.Frame(hdr.client_host, hdr.principal, bytes(frame))
-                result: messages.FrameResult = await self.chan.call(call)
+            result = mine.result()
         except ChannelClosed:
             raise ProtocolViolation("the broker is shutting down") from None
         if result.violation is not None:
             raise ProtocolViolation(result.violation)
         return None if result.response is None else [result.response]
+
+    async def _forward_queued(self, conn: int) -> None:
+        assert self.chan is not None
+        queued = self._forwards.pop(conn)
+        try:
+            self._send_produces(conn)  # after the produces the connection sent before them
+            results = await self.chan.call(messages.Frames([f for f, _ in queued]))
+        except asyncio.CancelledError:  # the connection closed
+            for _, fut in queued:
+                fut.cancel()
+            raise
+        except Exception as exc:
+            for _, fut in queued:
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: a request given up on while it waited leaves no warning
+            return
+        for (_, fut), result in zip(queued, results, strict=True):
+            fut.set_result(result)
 
     def produce_run(self, hdr: RequestContext, frames: memoryview, count: int, respond: RunRespond
                     ) -> ProtocolViolation | None:

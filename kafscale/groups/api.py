@@ -161,8 +161,12 @@ class GroupApi:
         if offsets:
             try:
                 self._mine(hdr, Operation.READ, req["group_id"])
-                await self.coord.commit_offsets(req["group_id"], req.get("generation_id_or_member_epoch", -1),
-                                                req.get("member_id", ""), req.get("group_instance_id"), offsets)
+                await self.coord.check_committer(req["group_id"], req.get("generation_id_or_member_epoch", -1),
+                                                 req.get("member_id", ""), req.get("group_instance_id"))
+                await hdr.turn()
+                written = self.coord.queue_offsets(req["group_id"], offsets)
+                hdr.placed()
+                await written
             except GroupError as exc:
                 results.update(dict.fromkeys(offsets, exc.code))
         return {"throttle_time_ms": 0, "topics": [

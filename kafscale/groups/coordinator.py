@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +109,12 @@ class GroupCoordinator:
         # is known good again (or lost, which evicts every group), its timers
         # change nothing: no member expires, no rebalance completes.
         self.lease_valid = lease_valid
+        # Offsets committed to a group while its etcd write is under way: written
+        # together next (the later of two for a partition winning), and the future
+        # their commits wait on.
+        self._queued: dict[str, tuple[dict[TopicPartition, dict[str, Any]], asyncio.Future[None]]] = {}
+        self._writers: dict[str, asyncio.Task[None]] = {}
+        self._loading: dict[str, asyncio.Future[dict[str, Any] | None]] = {}  # groups being read from etcd
 
     async def start(self) -> None:
         self._expiry = asyncio.create_task(self._expire_loop(), name="group session expiry")
@@ -121,6 +127,7 @@ class GroupCoordinator:
             if g.rebalance_task:
                 g.rebalance_task.cancel()
         writing = [g.persister for g in self.groups.values() if g.persister is not None and not g.persister.done()]
+        writing += self._writers.values()
         if writing:  # the next coordinator loads what is in etcd
             await asyncio.wait(writing, timeout=2)
             for t in writing:
@@ -131,7 +138,11 @@ class GroupCoordinator:
         (after a restart, or when it moved here from another broker)."""
         g = self.groups.get(gid)
         if g is None:
-            d = await self.meta.load_group(gid)
+            loading = self._loading.get(gid)
+            if loading is None:  # one read for the requests that ask at once (a run of pipelined commits)
+                loading = self._loading[gid] = asyncio.ensure_future(self.meta.load_group(gid))
+                loading.add_done_callback(lambda _: self._loading.pop(gid, None))
+            d = await asyncio.shield(loading)
             if d is not None:
                 g = Group(gid, generation=d["generation"], protocol_type=d["protocol_type"], protocol=d["protocol"],
                           leader=d["leader"])
@@ -437,8 +448,9 @@ class GroupCoordinator:
                 delay = min(delay * 2, 5.0)
 
     # --------------------------------------------------------------- offsets
-    async def commit_offsets(self, group_id: str, generation: int, member_id: str, instance: str | None,
-                             offsets: dict[tuple[str, int], dict[str, Any]]) -> None:
+    async def check_committer(self, group_id: str, generation: int, member_id: str, instance: str | None) -> None:
+        """Whether this member (or a client outside any group's generation)
+        may commit the group's offsets: GroupError if not."""
         g = await self._group(group_id)
         if g is not None and (g.members or generation >= 0):
             async with g.lock:
@@ -449,7 +461,35 @@ class GroupCoordinator:
                     m.last_heartbeat = time.monotonic()
         elif g is None and generation >= 0:
             raise GroupError(ErrorCode.ILLEGAL_GENERATION, "the group has no generation")
-        await self.meta.commit_offsets(group_id, offsets)
+
+    def queue_offsets(self, group_id: str, offsets: dict[TopicPartition, dict[str, Any]]) -> Awaitable[None]:
+        """Queue offsets for the group's next etcd write; the result is
+        awaited until they are written (or raises why not). The offsets
+        queued while a write is under way go in the next one together, in
+        the order they were queued: a consumer committing after every message
+        costs a transaction per write, not per commit, and the last commit of
+        a partition is the one that stays."""
+        queued = self._queued.get(group_id)
+        if queued is None:
+            queued = self._queued[group_id] = ({}, asyncio.get_running_loop().create_future())
+            if group_id not in self._writers:
+                self._writers[group_id] = asyncio.create_task(self._write_offsets(group_id))
+        queued[0].update(offsets)
+        return asyncio.shield(queued[1])  # a commit given up on (its connection closed) leaves the others waiting
+
+    async def _write_offsets(self, group_id: str) -> None:
+        """Write a group's queued offsets until none are left."""
+        try:
+            while (queued := self._queued.pop(group_id, None)) is not None:
+                offsets, written = queued
+                try:
+                    await self.meta.commit_offsets(group_id, offsets)
+                except Exception as exc:
+                    written.set_exception(exc)
+                else:
+                    written.set_result(None)
+        finally:  # cancelled (the coordinator closing): the commits waiting are not answered
+            del self._writers[group_id]
 
     async def fetch_offsets(self, group_id: str) -> dict[tuple[str, int], dict[str, Any]]:
         return await self.meta.fetch_offsets(group_id)

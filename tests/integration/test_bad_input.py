@@ -19,7 +19,15 @@ from kafscale import _native
 from kafscale.protocol.codec import Field
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.framing import encode_request
-from kafscale.protocol.schemas import API_VERSIONS, APIS, LIST_OFFSETS, METADATA, PRODUCE
+from kafscale.protocol.schemas import (
+    API_VERSIONS,
+    APIS,
+    LIST_OFFSETS,
+    METADATA,
+    OFFSET_COMMIT,
+    OFFSET_FETCH,
+    PRODUCE,
+)
 from kafscale.storage.segment import parse_segment_key
 from tests.conftest import BrokerProcess
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
@@ -92,6 +100,35 @@ def test_malformed_frames_close_cleanly(served, name, payload, reason):
     c.close()
     still_serves(b, topic)
     assert reason in b.log(), f"no log line for {name}"
+
+
+def test_a_malformed_commit_amid_pipelined_ones_ends_the_run(served):
+    """The OffsetCommits a connection pipelines are checked together, but
+    those after a malformed one take no effect: the connection closes after
+    the answers before it, as if it had been read alone."""
+    b, topic = served
+    group = f"g-{uuid.uuid4().hex[:8]}"
+
+    def commit(offset: int, correlation: int) -> bytes:
+        body = {"group_id": group, "generation_id_or_member_epoch": -1, "member_id": "", "group_instance_id": None,
+                "topics": [{"name": topic, "partitions": [{"partition_index": 0, "committed_offset": offset,
+                                                           "committed_leader_epoch": -1, "committed_metadata": ""}]}]}
+        return encode_request(OFFSET_COMMIT.key, 7, correlation, body)
+
+    good = commit(6, 2)
+    malformed = struct.pack(">i", len(good) - 4 - 9) + good[4:-9]  # the body cut short
+    c = RawClient(b.bootstrap)
+    c.send_bytes(commit(5, 1) + good + malformed + commit(99, 4))
+    answered = [c.read_frame() for _ in range(2)]
+    assert [struct.unpack_from(">i", f)[0] for f in answered if f] == [1, 2]
+    assert c.closed_by_peer()
+    c.close()
+    offsets = {"group_id": group, "topics": [{"name": topic, "partition_indexes": [0]}]}
+    c = RawClient(b.bootstrap)
+    got = c.request(OFFSET_FETCH.key, 5, offsets)["topics"][0]["partitions"][0]
+    c.close()
+    assert (got["committed_offset"], got["error_code"]) == (6, ErrorCode.NONE)
+    assert "malformed OffsetCommit v7 body" in b.log()
 
 
 def test_garbage_bytes(served):

@@ -133,11 +133,39 @@ def test_a_commit_whose_outcome_etcd_left_unknown_is_sent_again_before_it_is_ans
             return await transaction(*args, **kwargs)
 
         etcd.transaction = flaky
-        await coord.commit_offsets(GROUP, -1, "", None, {("t", 0): offset_record(7, None, -1)})
+        await coord.queue_offsets(GROUP, {("t", 0): offset_record(7, None, -1)})
         assert (await coord.fetch_offsets(GROUP))[("t", 0)]["offset"] == 7
         timeouts.extend(ConnectionTimeoutError("deadline") for _ in range(UNCERTAIN_WRITE_ATTEMPTS))
         with pytest.raises(ConnectionTimeoutError):
-            await coord.commit_offsets(GROUP, -1, "", None, {("t", 0): offset_record(8, None, -1)})
+            await coord.queue_offsets(GROUP, {("t", 0): offset_record(8, None, -1)})
         assert not timeouts and (await coord.fetch_offsets(GROUP))[("t", 0)]["offset"] == 7
+
+    run(go())
+
+
+def test_commits_queued_while_a_write_is_under_way_go_in_the_next_one_and_the_last_wins():
+    async def go():
+        etcd = MemoryEtcd()
+        coord = GroupCoordinator(MetaStore.in_memory(etcd=etcd), initial_rebalance_delay_ms=0)
+        transaction, gate = etcd.transaction, asyncio.Event()
+
+        async def held(*args, **kwargs):
+            await gate.wait()
+            return await transaction(*args, **kwargs)
+
+        etcd.transaction = held
+        before = etcd.txns
+        first = coord.queue_offsets(GROUP, {("t", 0): offset_record(1, None, -1)})
+        await asyncio.sleep(0.01)  # its write is under way
+        later = [coord.queue_offsets(GROUP, {("t", i % 2): offset_record(i, None, -1)}) for i in range(2, 101)]
+        gate.set()
+        await asyncio.gather(first, *later)
+        assert etcd.txns - before == 2
+        assert {tp: v["offset"] for tp, v in (await coord.fetch_offsets(GROUP)).items()} == {("t", 0): 100,
+                                                                                              ("t", 1): 99}
+        etcd.down = True
+        failed = await asyncio.gather(*(coord.queue_offsets(GROUP, {("t", 0): offset_record(i, None, -1)})
+                                        for i in range(3)), return_exceptions=True)
+        assert all(isinstance(e, Exception) for e in failed) and len({id(e) for e in failed}) == 1
 
     run(go())
