@@ -75,7 +75,8 @@ class Config:
                                    "shared object (one PUT and one etcd transaction for up to 42), merging "
                                    "their small segments, instead of one .kfs each")
     multipart_threshold: int = _opt(16 * 1024 * 1024, "segments above this size upload as multipart")
-    cache_bytes: int = _opt(256 * 1024 * 1024, "shared-memory cache of recent segments that workers serve Fetch from")
+    cache_bytes: int = _opt(1024 * 1024 * 1024, "shared-memory cache of recent segments that workers serve Fetch "
+                            "from and compaction reads slices from")
     s3_timeout_s: int = _opt(30, "longest one attempt at uploading a segment may take before it is retried")
     readahead_bytes: int = _opt(16 * 1024 * 1024, "size of each ranged S3 GET (and read-ahead) for uncached segments")
     readahead_memory_bytes: int = _opt(128 * 1024 * 1024, "S3 read-ahead memory per process, across all the "
