@@ -241,12 +241,14 @@ def test_rolling_restart_under_load(make_cluster, topic_name, tmp_path):
 
 
 @pytest.mark.parametrize("server", ["weed", "etcd"])
-def test_a_broker_stops_within_its_bounds_while_a_server_answers_nothing(tmp_path, topic_name, server):
+@pytest.mark.parametrize("fault", ["stopped", "gone"])
+def test_a_broker_stops_within_its_bounds_while_a_server_fails(tmp_path, topic_name, server, fault):
     """SIGTERM while producers wait on 100 partitions and S3 or etcd answers
     nothing (its server SIGSTOPped: the test's own, so the shared ones stay
-    up): node flushes, compactions and commits retry until they are
-    cancelled, and the broker gives up the drain and hand-over at their
-    bounds and exits by itself. Before, a stop while S3 answered nothing took
+    up) or is gone (SIGKILLed: every request refused at once, so the retries
+    come fast instead of hanging): node flushes, compactions and commits
+    retry until they are cancelled, and the broker gives up the drain and
+    hand-over at their bounds and exits by itself. Before, a stop while S3 answered nothing took
     up to 58 s: every produce request the stopping broker refused made a pass
     over the rest of its call's requests, each partition of each starting an
     open only to be refused, and that held the log process's event loop for
@@ -281,7 +283,11 @@ def test_a_broker_stops_within_its_bounds_while_a_server_answers_nothing(tmp_pat
         create_topic(b.bootstrap, topic_name, partitions=100)
         t.start()
         wait_for(lambda: acked[0] > 2000, 60, "acks before the server stalls")
-        paused.send_signal(signal.SIGSTOP)
+        if fault == "stopped":
+            paused.send_signal(signal.SIGSTOP)
+        else:
+            paused.kill()
+            paused.wait()
         time.sleep(3)  # node flushes, compactions and their retries now wait on it
         assert b.proc is not None
         began = time.monotonic()
@@ -292,7 +298,8 @@ def test_a_broker_stops_within_its_bounds_while_a_server_answers_nothing(tmp_pat
         assert took < DRAIN_S + HANDOVER_S + 3, f"shutdown took {took:.1f}s"
         assert "Traceback" not in b.log(), b.log()[-3000:]
     finally:
-        paused.send_signal(signal.SIGCONT)
+        if paused.poll() is None:
+            paused.send_signal(signal.SIGCONT)
         stop.set()
         if t.is_alive():
             t.join()
