@@ -465,12 +465,20 @@ class KafkaServer:
         self._server: asyncio.base_events.Server | None = None
         self._conns: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
-    async def start(self) -> None:
+    async def start(self, listen: bool = True) -> None:
+        """Bind the port and, unless `listen` is false (then listen() does), listen on it."""
         tls: dict[str, Any] = {"ssl": self.ssl, "ssl_handshake_timeout": 10} if self.ssl else {}
         self._server = await asyncio.start_server(self._serve, self.host, self.port, reuse_port=self.reuse_port,
-                                                  limit=1024 * 1024, **tls)
-        sock = self._server.sockets[0]
-        self.port = sock.getsockname()[1]
+                                                  limit=1024 * 1024, start_serving=False, **tls)
+        self.port = self._server.sockets[0].getsockname()[1]
+        if listen:
+            await self.listen()
+
+    async def listen(self) -> None:
+        """Accept connections on the bound port (with SO_REUSEPORT, a socket
+        bound but not listening is given none of them)."""
+        assert self._server is not None, "start() binds first"
+        await self._server.start_serving()
         log.info("Kafka listener on %s:%d (%s%s)", self.host, self.port, "SASL_" if self.sasl else "",
                  "SSL" if self.ssl else "PLAINTEXT")
 

@@ -2,7 +2,8 @@
 
 Per node it maps the shared memory, forks the log process, waits until it is
 ready (etcd and S3 reachable, broker registered), then forks the protocol
-workers, which share the Kafka port through SO_REUSEPORT. A worker that dies
+workers, which share the Kafka port through SO_REUSEPORT and listen on it
+once every one of them is ready. A worker that dies
 is replaced; a log process that dies takes the whole node down (non-zero
 exit) so that another broker takes its partitions over, and nothing it
 acknowledged is lost because acks follow the etcd commit. SIGTERM/SIGINT
@@ -138,7 +139,11 @@ async def _watching_loop_lag(main: Coroutine[Any, Any, None]) -> None:
         watch.cancel()
 
 
-async def _worker_main(cfg: Config, area: SharedArea, slot: int, socket_path: str, ready_fd: int) -> None:
+async def _worker_main(cfg: Config, area: SharedArea, slot: int, socket_path: str, ready_fd: int,
+                       go_fd: int) -> None:
+    """A worker: ready once connected to the log process with the Kafka port
+    bound, listening once the supervisor says go (a byte on go_fd), until
+    stopped or its log process is gone."""
     from kafscale.broker.worker import Worker
 
     w = Worker(cfg, area, slot)
@@ -147,16 +152,33 @@ async def _worker_main(cfg: Config, area: SharedArea, slot: int, socket_path: st
     except BaseException:
         await w.stop()
         raise
-    started(ready_fd)
     stop = stop_on_signals()
-    log_gone = asyncio.create_task(w.run_until_log_process_exits())
+    started(ready_fd)
     stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait([log_gone, stopping], return_when=asyncio.FIRST_COMPLETED)
-    if stopping.done():  # stop taking connections; answer what is in flight while the log process drains
-        w.stop_listening()
-        await asyncio.wait([log_gone], timeout=60)
+    go = asyncio.create_task(_byte_from(go_fd))
+    await asyncio.wait([go, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if go.done() and go.result() and not stopping.done():  # not stopped (nor the supervisor gone) first
+        await w.listen()
+        log_gone = asyncio.create_task(w.run_until_log_process_exits())
+        await asyncio.wait([log_gone, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if stopping.done():  # stop taking connections; answer what is in flight while the log process drains
+            w.stop_listening()
+            await asyncio.wait([log_gone], timeout=60)
+    go.cancel()
     stopping.cancel()
     await w.stop()
+
+
+async def _byte_from(fd: int) -> bool:
+    """Wait until fd (a pipe's read end) is readable: whether a byte came (False: closed)."""
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+    loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+    try:
+        await readable
+    finally:
+        loop.remove_reader(fd)
+    return os.read(fd, 1) != b""
 
 
 @dataclass
@@ -191,21 +213,49 @@ class NodeProcesses:
         self.log_pid, ready = _fork(f"log {self.cfg.node_id}", main)
         return _wait_ready(self.log_pid, ready)
 
-    def start_worker(self, slot: int, wait: bool) -> int | None:
+    def _fork_worker(self, slot: int) -> tuple[int, int, int]:
+        """Fork a slot's worker: its pid, the read end of its ready pipe and
+        the write end of its go pipe (it listens once that gets a byte)."""
+        go_r, go_w = os.pipe()
+
         def main(fd: int) -> None:
+            os.close(go_w)
             metrics.init_process(self.cfg.node_id, str(slot), self.metrics_dir)
             self.area.populate()
-            asyncio.run(_watching_loop_lag(_worker_main(self.cfg, self.area, slot, self.socket_path, fd)))
+            asyncio.run(_watching_loop_lag(_worker_main(self.cfg, self.area, slot, self.socket_path, fd, go_r)))
 
         pid, ready = _fork(f"worker {self.cfg.node_id}.{slot}", main)
+        os.close(go_r)
         self.worker_pids[pid] = slot
-        if not wait:
-            os.close(ready)
-            return None
-        rc = _wait_ready(pid, ready)
-        if rc is not None:
-            del self.worker_pids[pid]
+        return pid, ready, go_w
+
+    def start_workers(self) -> int | None:
+        """Start every worker at once, and let them listen once all are ready
+        (None), or say how the first that failed exited. Until then the port
+        refuses connections: one made while only some workers listened would
+        stay on those for its lifetime, and the others' start (faulting the
+        shared memory in) would take CPU from the first clients' requests."""
+        forked = [self._fork_worker(slot) for slot in range(self.workers)]
+        rc = None
+        for pid, ready, _ in forked:
+            if rc is None:
+                rc = _wait_ready(pid, ready)
+                if rc is not None:
+                    del self.worker_pids[pid]
+            else:
+                os.close(ready)
+        for _, _, go in forked:
+            if rc is None:
+                os.write(go, b"1")
+            os.close(go)  # without a byte the worker never listens (the caller stops it)
         return rc
+
+    def restart_worker(self, slot: int) -> None:
+        """Replace a slot's worker that exited: it listens as soon as it is ready."""
+        _, ready, go = self._fork_worker(slot)
+        os.write(go, b"1")
+        os.close(go)
+        os.close(ready)
 
     def pids(self) -> list[int]:
         return [p for p in (self.log_pid, *self.worker_pids) if p]
@@ -255,10 +305,7 @@ def run_nodes(cfgs: list[Config]) -> int:
         for node in nodes:
             rc = node.start_log()
             if rc is None:
-                for slot in range(node.workers):
-                    rc = node.start_worker(slot, wait=True)
-                    if rc is not None:
-                        break
+                rc = node.start_workers()
             if rc is not None:  # a child failed to start, or we were told to stop while starting
                 asked_to_stop, stopping = stopping, True
                 for other in nodes:
@@ -299,7 +346,7 @@ def _supervise(nodes: list[NodeProcesses], stopping: Callable[[], bool]) -> int:
                         code = 1
                 if not stopping() and node.log_pid:
                     log.warning("broker %d: worker %d exited (%d); starting a new one", node.cfg.node_id, slot, rc)
-                    node.start_worker(slot, wait=False)
+                    node.restart_worker(slot)
     return code
 
 

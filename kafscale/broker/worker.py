@@ -191,7 +191,11 @@ class Worker:
         self.server = KafkaServer(self.handlers, host, port, ConnectionLimits.from_config(self.cfg), reuse_port=True,
                                   forward=self.forward, ssl=self.cfg.server_ssl(), sasl=sasl,
                                   proxy_secret=self.cfg.proxy_secret, produce_run=self.produce_run)
-        await self.server.start()
+        await self.server.start(listen=False)  # listen(), once every worker of the node is ready
+
+    async def listen(self) -> None:
+        assert self.server is not None, "start() first"
+        await self.server.listen()
 
     async def run_until_log_process_exits(self) -> None:
         await self._serving

@@ -1,13 +1,18 @@
-"""The pre-forked node: a killed worker is replaced with nothing acked lost, a
-dead log process takes the node down, and a full produce ring or an S3
+"""The pre-forked node: its port accepts once every worker is ready, a killed
+worker is replaced with nothing acked lost, a dead log process takes the node down, and a full produce ring or an S3
 outage gives producers retriable errors, after which they carry on with no
 gap and no duplicate."""
 from __future__ import annotations
 
+import os
 import random
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+import uuid
 
 import pytest
 from confluent_kafka import Producer
@@ -25,6 +30,60 @@ from tests.integration.test_bad_input import produce_raw
 from tests.integration.test_cluster import Stream, check_all_acked_present
 from tests.integration.test_groups import wait_for
 from tests.integration.test_topics_offsets import fetch_raw
+
+
+def _serving_worker(workers: list[int], port: int, client: socket.socket) -> int | None:
+    """Which of the workers accepted the connection of this client socket (None: none yet)."""
+    owners = {}
+    for pid in workers:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                owners[link[8:-1]] = pid
+    client_port = client.getsockname()[1]
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, remote, inode = line.split()[1], line.split()[2], line.split()[9]
+            if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) == client_port:
+                return owners.get(inode)
+    return None
+
+
+def test_the_port_accepts_once_every_worker_is_ready(stack, tmp_path):
+    """Connections made as soon as the port accepts reach every worker. When
+    workers started one after another, the first listened while the next one
+    was still faulting the shared memory in (about half a second for the
+    default 1 GiB cache), and every connection made meanwhile stayed on the
+    first for its lifetime."""
+    b = BrokerProcess(stack, tmp_path, f"t{uuid.uuid4().hex[:10]}", workers=2)
+    with open(b.logfile, "ab") as out:
+        b.proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", "broker"], env=b.env(), stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    clients: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not clients:  # the first connection the port accepts
+            assert time.monotonic() < deadline and b.alive(), b.log()[-2000:]
+            s = socket.socket()
+            if s.connect_ex(("127.0.0.1", b.port)) == 0:
+                clients.append(s)
+            else:
+                s.close()
+                time.sleep(0.01)
+        for _ in range(19):  # and 19 more within the next 100 ms
+            time.sleep(0.005)
+            clients.append(socket.create_connection(("127.0.0.1", b.port)))
+        _, *workers = b.children()
+        assert len(workers) == 2
+        wait_for(lambda: all(_serving_worker(workers, b.port, c) for c in clients), 10, "every connection accepted")
+        assert {_serving_worker(workers, b.port, c) for c in clients} == set(workers)
+    finally:
+        for c in clients:
+            c.close()
+        b.stop()
 
 
 def test_killed_worker_is_replaced_under_load(make_broker, topic_name):
