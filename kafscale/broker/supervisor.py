@@ -178,7 +178,9 @@ async def _byte_from(fd: int) -> bool:
         await readable
     finally:
         loop.remove_reader(fd)
-    return os.read(fd, 1) != b""
+    got = os.read(fd, 1)
+    os.close(fd)
+    return got != b""
 
 
 @dataclass
@@ -213,13 +215,16 @@ class NodeProcesses:
         self.log_pid, ready = _fork(f"log {self.cfg.node_id}", main)
         return _wait_ready(self.log_pid, ready)
 
-    def _fork_worker(self, slot: int) -> tuple[int, int, int]:
+    def _fork_worker(self, slot: int, others: tuple[int, ...] = ()) -> tuple[int, int, int]:
         """Fork a slot's worker: its pid, the read end of its ready pipe and
-        the write end of its go pipe (it listens once that gets a byte)."""
+        the write end of its go pipe (it listens once that gets a byte; it
+        stops if the pipe closes first). `others`: the pipe ends this process
+        holds for the workers forked before, which the new one closes."""
         go_r, go_w = os.pipe()
 
         def main(fd: int) -> None:
-            os.close(go_w)
+            for other in (go_w, *others):
+                os.close(other)
             metrics.init_process(self.cfg.node_id, str(slot), self.metrics_dir)
             self.area.populate()
             asyncio.run(_watching_loop_lag(_worker_main(self.cfg, self.area, slot, self.socket_path, fd, go_r)))
@@ -235,7 +240,9 @@ class NodeProcesses:
         refuses connections: one made while only some workers listened would
         stay on those for its lifetime, and the others' start (faulting the
         shared memory in) would take CPU from the first clients' requests."""
-        forked = [self._fork_worker(slot) for slot in range(self.workers)]
+        forked: list[tuple[int, int, int]] = []
+        for slot in range(self.workers):
+            forked.append(self._fork_worker(slot, tuple(fd for _, *fds in forked for fd in fds)))
         rc = None
         for pid, ready, _ in forked:
             if rc is None:
@@ -247,7 +254,7 @@ class NodeProcesses:
         for _, _, go in forked:
             if rc is None:
                 os.write(go, b"1")
-            os.close(go)  # without a byte the worker never listens (the caller stops it)
+            os.close(go)  # without a byte the worker stops
         return rc
 
     def restart_worker(self, slot: int) -> None:
