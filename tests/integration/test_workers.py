@@ -1,7 +1,7 @@
-"""The pre-forked node: its port accepts once every worker is ready, a killed
-worker is replaced with nothing acked lost, a dead log process takes the node down, and a full produce ring or an S3
-outage gives producers retriable errors, after which they carry on with no
-gap and no duplicate."""
+"""The pre-forked node: its port accepts once every worker is ready, a
+killed worker is replaced with nothing acked lost, a dead log process takes
+the node down, and a full produce ring or an S3 outage gives producers
+retriable errors, after which they carry on with no gap and no duplicate."""
 from __future__ import annotations
 
 import os
@@ -46,7 +46,7 @@ def _serving_worker(workers: list[int], port: int, client: socket.socket) -> int
     client_port = client.getsockname()[1]
     with open("/proc/net/tcp") as f:
         for line in f.readlines()[1:]:
-            local, remote, inode = line.split()[1], line.split()[2], line.split()[9]
+            _, local, remote, *_, inode = line.split()[:10]
             if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) == client_port:
                 return owners.get(inode)
     return None
