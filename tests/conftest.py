@@ -85,11 +85,15 @@ class BrokerProcess:
         except OSError:
             return False
 
+    def launch(self) -> None:
+        """Start the process, without waiting for it to be up (start waits)."""
+        with open(self.logfile, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", self.command], env=self.env(),
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
     def start(self) -> BrokerProcess:
         ready_lines = self.log().count(_READY)
-        out = open(self.logfile, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", self.command], env=self.env(),
-                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.launch()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

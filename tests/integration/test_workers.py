@@ -8,8 +8,6 @@ import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -32,8 +30,8 @@ from tests.integration.test_groups import wait_for
 from tests.integration.test_topics_offsets import fetch_raw
 
 
-def _serving_worker(workers: list[int], port: int, client: socket.socket) -> int | None:
-    """Which of the workers accepted the connection of this client socket (None: none yet)."""
+def _accepted_by(workers: list[int], port: int) -> dict[int, int]:
+    """The connections to `port` the workers accepted: client port -> the worker's pid."""
     owners = {}
     for pid in workers:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -43,13 +41,13 @@ def _serving_worker(workers: list[int], port: int, client: socket.socket) -> int
                 continue
             if link.startswith("socket:["):
                 owners[link[8:-1]] = pid
-    client_port = client.getsockname()[1]
+    accepted = {}
     with open("/proc/net/tcp") as f:
         for line in f.readlines()[1:]:
             _, local, remote, *_, inode = line.split()[:10]
-            if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) == client_port:
-                return owners.get(inode)
-    return None
+            if int(local.split(":")[1], 16) == port and inode in owners:
+                accepted[int(remote.split(":")[1], 16)] = owners[inode]
+    return accepted
 
 
 def test_the_port_accepts_once_every_worker_is_ready(stack, tmp_path):
@@ -59,9 +57,7 @@ def test_the_port_accepts_once_every_worker_is_ready(stack, tmp_path):
     default 1 GiB cache), and every connection made meanwhile stayed on the
     first for its lifetime."""
     b = BrokerProcess(stack, tmp_path, f"t{uuid.uuid4().hex[:10]}", workers=2)
-    with open(b.logfile, "ab") as out:
-        b.proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", "broker"], env=b.env(), stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+    b.launch()
     clients: list[socket.socket] = []
     try:
         deadline = time.monotonic() + 30
@@ -78,8 +74,10 @@ def test_the_port_accepts_once_every_worker_is_ready(stack, tmp_path):
             clients.append(socket.create_connection(("127.0.0.1", b.port)))
         _, *workers = b.children()
         assert len(workers) == 2
-        wait_for(lambda: all(_serving_worker(workers, b.port, c) for c in clients), 10, "every connection accepted")
-        assert {_serving_worker(workers, b.port, c) for c in clients} == set(workers)
+        ports = {c.getsockname()[1] for c in clients}
+        wait_for(lambda: ports <= _accepted_by(workers, b.port).keys(), 10, "every connection accepted")
+        accepted = _accepted_by(workers, b.port)
+        assert {accepted[p] for p in ports} == set(workers)
     finally:
         for c in clients:
             c.close()
