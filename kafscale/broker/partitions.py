@@ -14,7 +14,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from kafscale.broker.access import Access
@@ -147,9 +147,9 @@ class RecentCache(SegmentSource, Protocol):
         """About how long a segment put now stays in the cache (math.inf: for good)."""
         ...
 
-    def batches(self, key: str) -> memoryview | None:
-        """A cached segment's batches (header and footer left out), for compaction to
-        copy before its next await (None: not cached)."""
+    def batches(self, keys: Iterable[str]) -> list[memoryview | None]:
+        """Each cached segment's batches (header and footer left out), for
+        compaction to copy before its next await (None: not cached)."""
         ...
 
     def put_object(self, body: memoryview, entries: list[tuple[str, int, int, bytes]]) -> None:

@@ -451,7 +451,8 @@ class PartitionLog(LogReader):
         if not slices or self.closed:
             return None
         taken = merged + slices
-        parts: list[tuple[memoryview | bytes | None, int]] = [(self.cache.batches(m.ref), m.base) for m in taken]
+        parts: list[tuple[memoryview | bytes | None, int]] = list(zip(self.cache.batches([m.ref for m in taken]),
+                                                                   [m.base for m in taken], strict=True))
         missed = [i for i, (batches, _) in enumerate(parts) if batches is None]
         if missed:  # the cached ones are copied before the reads' awaits: meanwhile the ring moves on, and
             # a slice it overwrote would have to be read back with a GET of its own

@@ -45,9 +45,8 @@ class DictCache:
     def holds(self, key):
         return key in self.segments
 
-    def batches(self, key):
-        seg = self.segments.get(key)
-        return None if seg is None else seg.batches()
+    def batches(self, keys):
+        return [None if (seg := self.segments.get(key)) is None else seg.batches() for key in keys]
 
     def put(self, key, seg):
         self.segments[key] = seg

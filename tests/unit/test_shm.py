@@ -97,12 +97,11 @@ def test_a_cached_segments_batches_are_its_bytes_between_header_and_footer_until
     cache = SharedCache(SharedArea(1, 64, 1000))
     data = bytes([7]) * HEADER_SIZE + bytes(range(100)) + bytes([9]) * FOOTER_SIZE
     cache.put("a", CachedSegment(data, [0], [HEADER_SIZE]))
-    got = cache.batches("a")
-    assert got is not None and bytes(got) == bytes(range(100))
-    assert cache.batches("b") is None
+    got, missing = cache.batches(["a", "b"])
+    assert got is not None and bytes(got) == bytes(range(100)) and missing is None
     cache.put("b", segment(2, 600))
     cache.put("c", segment(3, 600))  # wraps over "a"
-    assert cache.batches("a") is None
+    assert cache.batches(["a", "b"]) == [None, None] and cache.batches(["c"])[0] is not None
 
 
 def put_object(cache: SharedCache, *segments: tuple[str, int, int]) -> None:
