@@ -65,7 +65,7 @@ import aioboto3
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY, DevStack, free_port
+from kafscale.devstack import DEV_ACCESS_KEY, DEV_SECRET_KEY, DevStack, free_port, wait_port
 from kafscale.metadata.store import MetaStore
 from kafscale.storage.objectstore import ObjectStore
 
@@ -176,10 +176,13 @@ def start_broker(stack: DevStack, logdir: Path, cluster: str, **cfg: str) -> tup
     env = dict(os.environ, **stack.broker_env(), KAFSCALE_LISTEN=f"127.0.0.1:{port}",
                KAFSCALE_CLUSTER=cluster, KAFSCALE_NAMESPACE=cluster, KAFSCALE_LOG_LEVEL="WARNING",
                **{f"KAFSCALE_{k.upper()}": v for k, v in cfg.items()})
-    log = open(logdir / f"broker-{port}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", "broker"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    logfile = logdir / f"broker-{port}.log"
+    with open(logfile, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", "broker"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
     bootstrap = f"127.0.0.1:{port}"
+    # the port first: a client connecting before the workers listen logs each refused attempt
+    wait_port(port, proc, "the broker", logfile, timeout=30)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

@@ -103,7 +103,7 @@ def _spawn(args: list[str], logfile: Path) -> subprocess.Popen[bytes]:
                             start_new_session=True, preexec_fn=_die_with_parent)
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, logfile: Path, timeout: float = 60) -> None:
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, logfile: Path, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -183,7 +183,7 @@ class DevStack:
                        "--initial-cluster", f"kafscale-dev=http://127.0.0.1:{peer}",
                        "--log-level", "warn"], logfile)
         self.procs.append(proc)
-        _wait_port(self.etcd_port, proc, "etcd", logfile)
+        wait_port(self.etcd_port, proc, "etcd", logfile)
 
     def _start_seaweedfs(self, root: Path) -> None:
         names = ("master", "volume", "filer", "admin", "metrics", "g_master", "g_volume", "g_filer", "g_s3", "g_admin")
@@ -211,7 +211,7 @@ class DevStack:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env_free,
                                 start_new_session=True, preexec_fn=_die_with_parent)
         self.procs.append(proc)
-        _wait_port(self.s3_port, proc, "SeaweedFS S3", logfile)
+        wait_port(self.s3_port, proc, "SeaweedFS S3", logfile)
 
     def _ensure_bucket(self, timeout: float = 90) -> None:
         s3 = self.s3_client(attempts=1)
