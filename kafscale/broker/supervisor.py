@@ -52,7 +52,11 @@ def _tune_malloc() -> None:
     multiplied by the S3 body threads (glibc gives threads up to 8 per core):
     a worker replaying a 256 MiB backlog peaked 59-87 MiB above its start
     with one arena per thread, 42-75 MiB with 2, and read as fast.
-    Forked children inherit the setting. Not glibc (musl): nothing to do."""
+    Forked children inherit the setting. Not glibc (musl): nothing to do.
+    Not undone by glibc but by protobuf (7.36): its upb module calls
+    malloc_trim(0) after every 10,000 message arenas freed, which hands
+    every free page of every heap back; in the log process (the etcd
+    client's messages) that is every few seconds (bench/README.md, session 80)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
