@@ -231,8 +231,8 @@ class SharedCache:
         None: not cached), as compaction copies them: valid until the next
         put. How far the ring has moved is read once for all of them: a
         compaction takes a partition's slices, about a thousand at 20,000
-        records/s over 100 partitions, and a lookup each through ref() took
-        0.91 µs a slice, this 0.46 (bench/README.md, session 80)."""
+        records/s over 100 partitions; a lookup each through ref() took 0.91
+        µs a slice, one call for them all 0.46 (bench/README.md, session 80)."""
         floor, refs, data, size = self._oldest_valid(), self.refs, self.data, self.size
         found: list[memoryview | None] = []
         for key in keys:

@@ -53,8 +53,8 @@ def _tune_malloc() -> None:
     a worker replaying a 256 MiB backlog peaked 59-87 MiB above its start
     with one arena per thread, 42-75 MiB with 2, and read as fast.
     Forked children inherit the setting. Not glibc (musl): nothing to do.
-    Not undone by glibc but by protobuf (7.36): its upb module calls
-    malloc_trim(0) after every 10,000 message arenas freed, which hands
+    protobuf (7.36.2) undoes this in part: its upb module calls
+    malloc_trim(0) after every 10,000 message arenas it frees, which hands
     every free page of every heap back; in the log process (the etcd
     client's messages) that is every few seconds (bench/README.md, session 80)."""
     try:
