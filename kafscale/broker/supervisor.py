@@ -56,7 +56,7 @@ def _tune_malloc() -> None:
     protobuf (7.36.2) undoes this in part: its upb module calls
     malloc_trim(0) after every 10,000 message arenas it frees, which hands
     every free page of every heap back; in the log process (the etcd
-    client's messages) that is every few seconds (bench/README.md, session 80)."""
+    client's messages) every 5-10 s (bench/README.md, session 80)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
