@@ -181,9 +181,9 @@ def start_broker(stack: DevStack, logdir: Path, cluster: str, **cfg: str) -> tup
         proc = subprocess.Popen([sys.executable, "-m", "kafscale.cli", "broker"], env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
     bootstrap = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
     # the port first: a client connecting before the workers listen logs each refused attempt
     wait_port(port, proc, "the broker", logfile, timeout=30)
-    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
             AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=1)
