@@ -7,11 +7,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 
-from kafscale.devstack import free_port
+from kafscale.devstack import free_port, wait_port
 from tests.integration.clients import Rec, confluent_consume, confluent_produce, create_topic
 
 
@@ -21,14 +21,8 @@ def start_dev(data_dir, port: int, etcd_port: int, s3_port: int, log, admin_port
                              "--port", str(port), "--etcd-port", str(etcd_port), "--s3-port", str(s3_port),
                              "--admin-listen", f"127.0.0.1:{admin_port or free_port()}"],
                             stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "kafscale dev exited early"
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc
-        time.sleep(0.1)
-    raise AssertionError("kafscale dev did not start")
+    wait_port(port, proc, "kafscale dev", Path(log.name), timeout=120)
+    return proc
 
 
 def ctrl_c(proc: subprocess.Popen) -> int:
