@@ -55,8 +55,10 @@ def _tune_malloc() -> None:
     Forked children inherit the setting. Not glibc (musl): nothing to do.
     protobuf (7.36.2) undoes this in part: its upb module calls
     malloc_trim(0) after every 10,000 message arenas it frees, which hands
-    every free page of every heap back; in the log process (the etcd
-    client's messages) every 5-10 s (bench/README.md, session 80)."""
+    every free page of every heap back. The etcd client's transactions
+    therefore skip protobuf's message classes (metadata.etcd_client's
+    encode_txn): the log process's trims went from one every 5-10 s to
+    about one every two minutes (bench/README.md, session 81)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
