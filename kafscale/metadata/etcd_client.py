@@ -1,7 +1,7 @@
 """aetcd's client with what MetaStore needs beyond it: `range_page` (aetcd's
 range call has no limit), a `transaction` whose request is written without
-protobuf's message classes (`encode_txn`) and, in TlsEtcdClient, TLS. aetcd opens plaintext
-gRPC channels only; the subclass opens a TLS channel (etcd's
+protobuf's message classes (`encode_txn`) and, in TlsEtcdClient, TLS. aetcd
+opens plaintext gRPC channels only; the subclass opens a TLS channel (etcd's
 --cert-file/--key-file, optionally client certificates) and then sets up
 exactly what aetcd.Client.connect sets up: the authentication token, the
 service stubs and the watcher."""
@@ -65,8 +65,8 @@ def encode_txn(compare: list[Any], success: list[Any], failure: list[Any]) -> by
     Put/Get/Delete operations, in protobuf's wire format, written here rather
     than by protobuf's message classes. Those allocate a protobuf arena for
     every message and for every unset sub-message touched: aetcd frees about
-    1,200 arenas for a compaction commit of 100 partitions, building the
-    messages in one request still one per operation. protobuf's upb module
+    1,200 arenas for a compaction commit of 100 partitions, and a request
+    built in place by those classes still one an operation. protobuf's upb module
     calls malloc_trim(0) after every 10,000 arenas it frees, which hands every
     free heap page back to the kernel; the log process's next large buffers
     (node objects, compacted segments) then fault their pages back one by one
