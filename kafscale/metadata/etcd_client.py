@@ -13,6 +13,7 @@ from typing import Any
 import aetcd
 import grpc
 from aetcd import rpc, rtypes, transactions, watcher
+from aetcd.client import _ensure_connected, _handle_errors
 from aetcd.utils import lease_to_id, to_bytes
 
 # etcd's rpc.proto: a Compare's target and the field number of its operand (a oneof: always encoded)
@@ -91,25 +92,17 @@ def encode_txn(compare: list[Any], success: list[Any], failure: list[Any]) -> by
 
 
 class EtcdClient(aetcd.Client):
-    _txn_channel: Any = None  # the channel _txn_call was made on
-    _txn_call: Any = None
-
+    @_handle_errors  # as aetcd's own calls: a gRPC error raised as the matching aetcd exception
+    @_ensure_connected
     async def transaction(self, compare: list[Any], success: list[Any] | None = None,
                           failure: list[Any] | None = None) -> tuple[bool, list[Any]]:
         """aetcd's transaction (same arguments, same answer: whether the
         compares held, and a get's [(value, metadata)] or a put's or delete's
-        response for each operation run), its request written by encode_txn."""
-        await self.connect()
-        if self._txn_channel is not self.channel:  # gRPC sends a request it is given as bytes as it is
-            self._txn_call = self.channel.unary_unary("/etcdserverpb.KV/Txn",
-                                                      response_deserializer=rpc.TxnResponse.FromString)
-            self._txn_channel = self.channel
-        try:
-            resp = await self._txn_call(encode_txn(compare, success or [], failure or []),
-                                        timeout=self._timeout, metadata=self.metadata)
-        except rpc.AioRpcError as exc:
-            aetcd.exceptions._handle_exception(exc)  # raises the matching aetcd exception
-            raise
+        response for each operation run), its request written by encode_txn:
+        with no request serializer gRPC sends the bytes it is given as they are."""
+        txn = self.channel.unary_unary("/etcdserverpb.KV/Txn", response_deserializer=rpc.TxnResponse.FromString)
+        resp = await txn(encode_txn(compare, success or [], failure or []), timeout=self._timeout,
+                         metadata=self.metadata)
         replies: list[Any] = []
         for r in resp.responses:
             kind = r.WhichOneof("response")
@@ -119,6 +112,7 @@ class EtcdClient(aetcd.Client):
                 replies.append(r)
         return resp.succeeded, replies
 
+    @_handle_errors
     async def range_page(self, start: bytes, end: bytes, limit: int, revision: int,
                          keys_only: bool, min_mod_revision: int = 0) -> tuple[list[Any], bool, int]:
         """Up to limit key-values in [start, end) at revision (0: the newest),
@@ -126,11 +120,7 @@ class EtcdClient(aetcd.Client):
         with .key and .value, whether more follow, the revision read)."""
         req = self._build_get_range_request(start, end, keys_only=keys_only)
         req.limit, req.revision, req.min_mod_revision = limit, revision, min_mod_revision
-        try:
-            resp = await self.kvstub.Range(req, timeout=self._timeout, metadata=self.metadata)
-        except rpc.AioRpcError as exc:
-            aetcd.exceptions._handle_exception(exc)  # raises the matching aetcd exception
-            raise
+        resp = await self.kvstub.Range(req, timeout=self._timeout, metadata=self.metadata)
         return list(resp.kvs), resp.more, resp.header.revision
 
 
