@@ -33,7 +33,7 @@ import json
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -780,12 +780,15 @@ class MetaStore:
         await self.client.transaction(compare=[tx.value(key) == str(broker_id).encode()],
                                       success=[tx.delete(key)], failure=[])
 
-    async def owners(self) -> dict[TopicPartition, int]:
+    async def owners(self, topics: Collection[str] | None = None) -> dict[TopicPartition, int]:
+        """The owner of each claimed partition: of every topic (one scan), or of
+        the named topics only (a range read each)."""
         base = self.k("owners", "")
         out = {}
-        async for kv in self.scan(base):
-            topic, _, p = kv.key[len(base):].decode().rpartition("/")
-            out[TopicPartition(name_of(topic), int(p))] = int(kv.value)
+        for prefix in [base] if topics is None else [self.k("owners", t, "") for t in topics]:
+            async for kv in self.scan(prefix):
+                topic, _, p = kv.key[len(base):].decode().rpartition("/")
+                out[TopicPartition(name_of(topic), int(p))] = int(kv.value)
         return out
 
     async def owner_of(self, topic: str, p: int) -> int | None:

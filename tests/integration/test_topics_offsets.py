@@ -363,6 +363,33 @@ def test_metadata_by_topic_id_costs_no_etcd_read_per_id(broker, topic_name, stac
     assert reads < 50, f"{reads} etcd reads for one Metadata request"
 
 
+def test_metadata_for_a_topic_reads_its_owners_only(broker, topic_name, stack):
+    """A Metadata request naming a one-partition topic reads that topic's
+    owner keys, not those of a 3,000-partition topic beside it (a scan of
+    every owner is three pages of etcd reads)."""
+    big, small = f"{topic_name}-big", f"{topic_name}-small"
+    create_topic(broker.bootstrap, big, partitions=3_000)
+    create_topic(broker.bootstrap, small)
+    p = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all", "linger.ms": 5})
+    for part in range(3_000):  # one record each: every partition claimed, an owner key each
+        p.produce(big, value=b"x", partition=part)
+    p.produce(small, value=b"x")
+    assert p.flush(120) == 0
+    assert len(etcd_keys(stack, f"/kafscale/{broker.cluster}/owners/{big}/")) == 3_000
+    c = RawClient(broker.bootstrap)
+    req = {"topics": [{"name": small, "topic_id": bytes(16)}], "allow_auto_topic_creation": False,
+           "include_topic_authorized_operations": False}
+    c.request(METADATA.key, 12, req)  # the topic in the broker's cache
+    before = etcd_requests(stack, "Range")
+    answers = [c.request(METADATA.key, 12, req) for _ in range(20)]
+    reads = etcd_requests(stack, "Range") - before
+    whole = c.request(METADATA.key, 12, {**req, "topics": [{"name": big, "topic_id": bytes(16)}]})
+    c.close()
+    assert all(md["topics"][0]["partitions"][0]["leader_id"] == broker.broker_id for md in answers)
+    assert [q["leader_id"] for q in whole["topics"][0]["partitions"]] == [broker.broker_id] * 3_000
+    assert reads < 30, f"{reads} etcd reads for 20 Metadata requests of one one-partition topic"
+
+
 def test_a_partition_of_fifty_thousand_segments_opens(make_broker, topic_name, stack):
     """A partition's manifests are read in pages: 50,000 of them (~13 MB, past
     etcd's 4 MiB reply limit) no longer keep it from opening after a restart."""

@@ -237,9 +237,10 @@ def commit_raw(c: RawClient, group: str, topic: str, offset: int) -> int:
 
 
 def test_etcd_outage_answers_errors_and_closes_no_connection(make_broker, stack, topic_name):
-    """While etcd is unreachable, Metadata is answered from what the broker
-    knows and OffsetCommit gets COORDINATOR_NOT_AVAILABLE (retriable), on a
-    connection that stays open; once etcd is back the same connection commits."""
+    """While etcd is unreachable, Metadata (of every topic, and of one) is
+    answered from what the broker knows and OffsetCommit gets
+    COORDINATOR_NOT_AVAILABLE (retriable), on a connection that stays open;
+    once etcd is back the same connection commits."""
     relay = Relay(stack.etcd_port)
     try:
         b = make_broker(workers=1, etcd=f"127.0.0.1:{relay.port}", lease_ttl_s=30)
@@ -251,6 +252,10 @@ def test_etcd_outage_answers_errors_and_closes_no_connection(make_broker, stack,
         md = c.request(METADATA.key, 12, {"topics": None, "allow_auto_topic_creation": False,
                                           "include_topic_authorized_operations": False})
         assert [t["name"] for t in md["topics"]] == [topic_name] and md["brokers"]
+        md = c.request(METADATA.key, 12, {"topics": [{"name": topic_name, "topic_id": bytes(16)}],
+                                          "allow_auto_topic_creation": False,
+                                          "include_topic_authorized_operations": False})
+        assert [(t["name"], t["error_code"], len(t["partitions"])) for t in md["topics"]] == [(topic_name, 0, 1)]
         assert commit_raw(c, group, topic_name, 6) == ErrorCode.COORDINATOR_NOT_AVAILABLE
         relay.restore()
         wait_for(lambda: commit_raw(c, group, topic_name, 7) == 0, 30, "commits once etcd is back")
