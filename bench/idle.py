@@ -9,8 +9,11 @@ compacted away (compaction lag 10 s, small partitions three lags: about
 30-45 s), the CPU each process uses over --seconds is read from /proc: the
 log process, the workers, etcd and SeaweedFS. Then the broker is stopped
 (SIGTERM): how long it takes to exit, handing every partition over, and the
-etcd transactions it makes meanwhile (etcd's own /metrics). SeaweedFS keeps
-its objects on a tmpfs (/dev/shm), as bench/partitions.py does.
+etcd transactions it makes meanwhile (etcd's own /metrics). Before the stop,
+METADATA_REQUESTS Metadata requests (v12, one after the other on one
+connection) name a one-partition topic beside the P partitions: their p50
+and p99, as a ratio to P = 1's. SeaweedFS keeps its objects on a tmpfs
+(/dev/shm), as bench/partitions.py does.
 
     python -m bench.idle [--partitions 1,1000,10000] [--seconds 30]
 """
@@ -18,29 +21,55 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
+import struct
 import time
 import uuid
 from pathlib import Path
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from bench.e2e import CpuMeter, broker_children, compacted_s, stack_dirs, start_broker
+from bench.e2e import CpuMeter, broker_children, compacted_s, pct, stack_dirs, start_broker
 from bench.partitions import open_all
 from kafscale.devstack import DevStack
+from kafscale.protocol.framing import decode_response, encode_request
+from kafscale.protocol.schemas import METADATA
 
 COMPACTED_WITHIN_S = 180  # the opening records' node objects are compacted away by then (else the run fails)
+METADATA_REQUESTS = 200
 
 
-def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float) -> tuple[dict[str, float], float, int]:
+def metadata_latencies(bootstrap: str, topic: str, n: int = METADATA_REQUESTS) -> list[float]:
+    """Seconds each of n Metadata requests naming `topic` took, sorted."""
+    host, _, port = bootstrap.rpartition(":")
+    body = {"topics": [{"name": topic, "topic_id": bytes(16)}], "allow_auto_topic_creation": False,
+            "include_topic_authorized_operations": False}
+    out = []
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        for i in range(n):
+            t0 = time.perf_counter()
+            sock.sendall(encode_request(METADATA.key, 12, i, body))
+            size = struct.unpack(">i", sock.recv(4, socket.MSG_WAITALL))[0]
+            _, md = decode_response(METADATA.key, 12, sock.recv(size, socket.MSG_WAITALL))
+            out.append(time.perf_counter() - t0)
+            if md["topics"][0]["error_code"]:
+                raise RuntimeError(f"Metadata of {topic}: error {md['topics'][0]['error_code']}")
+    return sorted(out)
+
+
+def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float
+             ) -> tuple[dict[str, float], list[float], float, int]:
     """The cores each process of the node and the stores used over `seconds`
-    with P idle open partitions; then the broker's stop: seconds to exit and
-    etcd transactions."""
+    with P idle open partitions, and the latencies of Metadata requests naming
+    a topic of one partition beside them; then the broker's stop: seconds to
+    exit and etcd transactions."""
     cluster = f"idle{partitions}x{uuid.uuid4().hex[:4]}"
     proc, bootstrap = start_broker(stack, logdir, cluster)
     try:
         admin = AdminClient({"bootstrap.servers": bootstrap})
-        admin.create_topics([NewTopic("idle", partitions, 1)])["idle"].result(60)
-        open_all(bootstrap, "idle", partitions)
+        for topic, count in (("idle", partitions), ("one", 1)):
+            admin.create_topics([NewTopic(topic, count, 1)])[topic].result(60)
+            open_all(bootstrap, topic, count)
         if compacted_s(stack, cluster, COMPACTED_WITHIN_S) == float("inf"):
             raise RuntimeError(f"P = {partitions}: node objects left after {COMPACTED_WITHIN_S} s")
         log_process, *workers = broker_children(proc.pid)
@@ -48,6 +77,7 @@ def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float) -> 
         with CpuMeter({"log process": [log_process], "workers": workers, "etcd": [etcd],
                        "SeaweedFS": [weed]}) as cpu:
             time.sleep(seconds)
+        metadata = metadata_latencies(bootstrap, "one")
     except BaseException:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
@@ -57,7 +87,7 @@ def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float) -> 
     if proc.wait(120) != 0:
         raise RuntimeError(f"P = {partitions}: the broker exited with {proc.returncode} (its log: {logdir})")
     stop_s, stop_txns = time.perf_counter() - stopping, int(stack.server_counts()["txns"] - txns)
-    return {k: v for k, v in cpu.cores.items() if k != "bench client"}, stop_s, stop_txns
+    return {k: v for k, v in cpu.cores.items() if k != "bench client"}, metadata, stop_s, stop_txns
 
 
 def main() -> None:
@@ -72,13 +102,17 @@ def main() -> None:
             runs = {p: idle_run(stack, Path(tmp), p, args.seconds) for p in counts}
         finally:
             stack.stop()
-    base = runs[counts[0]][0]
+    base, base_md = runs[counts[0]][0], runs[counts[0]][1]
     print(f"idle open partitions, CPU cores over {args.seconds:.0f} s once every node object was compacted "
-          f"(ratio to P = {counts[0]} in brackets); then the stop (SIGTERM to exit) and its etcd transactions")
-    print(f"{'P':>7} " + " ".join(f"{name:>20}" for name in base) + f" {'stop s':>8} {'stop txns':>10}")
-    for p, (cores, stop_s, stop_txns) in runs.items():
+          f"(ratio to P = {counts[0]} in brackets); Metadata of a one-partition topic beside them, p50 and p99 "
+          f"of {METADATA_REQUESTS}; then the stop (SIGTERM to exit) and its etcd transactions")
+    print(f"{'P':>7} " + " ".join(f"{name:>20}" for name in base)
+          + f" {'Metadata p50 ms':>18} {'Metadata p99 ms':>18} {'stop s':>8} {'stop txns':>10}")
+    for p, (cores, md, stop_s, stop_txns) in runs.items():
         print(f"{p:>7} " + " ".join(f"{c:8.3f} ({c / base[name] if base[name] else float('nan'):6.2f})    "
-                                     for name, c in cores.items()) + f" {stop_s:8.1f} {stop_txns:10d}")
+                                     for name, c in cores.items())
+              + "".join(f" {pct(md, q) * 1000:9.2f} ({pct(md, q) / pct(base_md, q):5.2f})" for q in (0.5, 0.99))
+              + f" {stop_s:8.1f} {stop_txns:10d}")
 
 
 if __name__ == "__main__":
