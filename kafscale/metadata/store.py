@@ -190,6 +190,12 @@ def name_of(part: bytes | str) -> str:
     return text.replace("%2F", "/").replace("%25", "%")
 
 
+def _topic_partition(key: bytes, base: bytes) -> TopicPartition:
+    """The partition a key `{base}{topic}/{p}` is about."""
+    topic, _, p = key[len(base):].decode().rpartition("/")
+    return TopicPartition(name_of(topic), int(p))
+
+
 TXN_MAX_OPS = 128  # etcd's default --max-txn-ops (of compares, and of operations each way)
 # partitions one claim_partitions call claims: two compares and two puts each, plus one delete per old fence
 # named (at most one each) and the topic's compare, all within TXN_MAX_OPS
@@ -787,9 +793,13 @@ class MetaStore:
         out = {}
         for prefix in [base] if topics is None else [self.k("owners", t, "") for t in topics]:
             async for kv in self.scan(prefix):
-                topic, _, p = kv.key[len(base):].decode().rpartition("/")
-                out[TopicPartition(name_of(topic), int(p))] = int(kv.value)
+                out[_topic_partition(kv.key, base)] = int(kv.value)
         return out
+
+    async def claimed_partitions(self) -> set[TopicPartition]:
+        """Every partition ever claimed (it has a state key): no other holds records."""
+        base = self.k("partitions", "")
+        return {_topic_partition(kv.key, base) async for kv in self.scan(base, keys_only=True)}
 
     async def owner_of(self, topic: str, p: int) -> int | None:
         r = await self.client.get(self.k("owners", topic, p))

@@ -83,3 +83,17 @@ def test_retention_ms(make_broker, topic_name):
     confluent_produce(b.bootstrap, topic_name, [Rec(b"fresh", b"stays")])
     assert wait_for_log_start(b.bootstrap, topic_name, 3) == 3
     assert confluent_consume(b.bootstrap, topic_name, 1, start=3) == [(3, Rec(b"fresh", b"stays"))]
+
+
+def test_retention_opens_no_partition_never_written(make_broker, topic_name, stack):
+    """The retention pass reaches the partitions ever claimed and no other: of
+    a topic of 1,000 partitions written in partition 0 only, it expires
+    partition 0's old records and claims none of the 999 others."""
+    b = make_broker(retention_check_ms=300)
+    create_topic(b.bootstrap, topic_name, partitions=1000, config={"retention.ms": "3600000"})
+    produce_segments(b.bootstrap, topic_name, 3, size=100, ts=int(time.time() * 1000) - 2 * 3600 * 1000)
+    assert wait_for_log_start(b.bootstrap, topic_name, 3) == 3
+    time.sleep(2)  # several more passes
+    for area in ("partitions", "owners"):
+        assert etcd_keys(stack, f"/kafscale/{b.cluster}/{area}/{topic_name}/") == [
+            f"/kafscale/{b.cluster}/{area}/{topic_name}/0".encode()]
