@@ -489,21 +489,19 @@ class PartitionRegistry:
     async def watch_topics(self) -> None:
         """Keep the topic cache current with what any broker changes in etcd
         (partitions added, configs altered, topics deleted). After an etcd
-        outage the cache is read afresh, then watched again."""
-        while True:
-            try:
-                for meta in await self.meta.list_topics():
-                    await self.apply_topic_meta(meta)
-                async for name, meta in self.meta.watch_topics():
-                    if meta is not None:
-                        await self.apply_topic_meta(meta)
-                    else:
-                        await self.forget_topic(name)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("watching topics failed (%r); reading them again in 1 s", exc)
-            await asyncio.sleep(1)
+        outage the cache is read afresh, then watched again (MetaStore.follow)."""
+        async def read(revision: int) -> None:
+            for meta in await self.meta.list_topics(revision):
+                await self.apply_topic_meta(meta)
+
+        async def apply(change: tuple[str, TopicMeta | None]) -> None:
+            name, meta = change
+            if meta is not None:
+                await self.apply_topic_meta(meta)
+            else:
+                await self.forget_topic(name)
+
+        await self.meta.follow(read, self.meta.watch_topics, apply, "topics")
 
     async def compaction_loop(self) -> None:
         """Node flushes: compact the partitions whose slices are due, oldest

@@ -130,7 +130,8 @@ class MemoryEtcd:
         self.clock = clock
         self.transactions = _Transactions()
         self.revision = 1
-        self.compacted = 0  # the revision the history was last compacted at (the twin keeps none)
+        self.compacted = 0  # the revision the history was last compacted at (the twin keeps only its events)
+        self._events: list[Event] = []  # every change since `compacted`, for watches from a past revision
         self.txns = 0  # transactions applied (successful or not), like etcd's txn counter
         self._data: dict[bytes, KeyValue] = {}
         self._leases: dict[int, float] = {}  # id -> deadline on clock
@@ -186,6 +187,7 @@ class MemoryEtcd:
         if revision > self.revision:
             raise ClientError("etcdserver: mvcc: required revision is a future revision")
         self.compacted = revision
+        self._events = [ev for ev in self._events if ev.kv.mod_revision >= revision]
 
     # ---------------------------------------------------------------- writes
     async def put(self, key: bytes, value: bytes, lease: Any = None) -> None:
@@ -233,7 +235,7 @@ class MemoryEtcd:
                 for k in keys:
                     gone = self._data.pop(k, None)
                     if gone is not None:
-                        self._notify(Event("DELETE", KeyValue(k, b"", 0, 0)))
+                        self._notify(Event("DELETE", KeyValue(k, b"", 0, 0, self.revision)))
         return replies
 
     # ---------------------------------------------------------------- leases
@@ -261,9 +263,16 @@ class MemoryEtcd:
             self._apply([_Op("delete", k) for k in keys])
 
     # --------------------------------------------------------------- watches
-    async def watch_prefix(self, prefix: bytes) -> AsyncIterator[Event]:
+    async def watch_prefix(self, prefix: bytes, start_revision: int | None = None) -> AsyncIterator[Event]:
+        """The changes under prefix from now on, or from start_revision on
+        (refused, as by etcd, once compacted away)."""
         self._check()
+        if start_revision is not None and start_revision < self.compacted:
+            raise ClientError("etcdserver: mvcc: required revision has been compacted")
         queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        for ev in self._events if start_revision is not None else ():
+            if ev.kv.mod_revision >= start_revision and ev.kv.key.startswith(prefix):
+                queue.put_nowait(ev)
         self._watchers.append((prefix, queue))
 
         async def events() -> AsyncIterator[Event]:
@@ -274,6 +283,7 @@ class MemoryEtcd:
         return events()
 
     def _notify(self, ev: Event) -> None:
+        self._events.append(ev)
         for prefix, q in self._watchers:
             if ev.kv.key.startswith(prefix):
                 q.put_nowait(ev)

@@ -33,9 +33,9 @@ import json
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar
 
 import aetcd
 from aetcd.utils import prefix_range_end
@@ -45,6 +45,8 @@ from kafscale.protocol.types import TopicPartition
 from kafscale.security.acl import AclBinding
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Fenced(Exception):
@@ -344,20 +346,45 @@ class MetaStore:
         r = await self.client.get(self.k("topics", name))
         return None if r is None else TopicMeta.from_json(name, r.value)
 
-    async def list_topics(self) -> list[TopicMeta]:
+    async def list_topics(self, revision: int = 0) -> list[TopicMeta]:
+        """Every topic (as of revision, where given)."""
         base = self.k("topics", "")
         out = []
-        async for kv in self.scan(base):
+        async for kv in self.scan(base, revision=revision):
             out.append(TopicMeta.from_json(name_of(kv.key[len(base):]), kv.value))
         return out
 
-    async def watch_topics(self) -> AsyncIterator[tuple[str, TopicMeta | None]]:
-        """Every later change of a topic key: (name, its new meta), or (name,
-        None) once deleted. Ends with an exception when etcd goes away."""
+    async def watch_topics(self, start_revision: int) -> AsyncIterator[tuple[str, TopicMeta | None]]:
+        """Every change of a topic key from start_revision on: (name, its new
+        meta), or (name, None) once deleted. Ends with an exception when etcd
+        goes away."""
         base = self.k("topics", "")
-        async for ev in await self.client.watch_prefix(base):
+        async for ev in await self.client.watch_prefix(base, start_revision=start_revision):
             name = name_of(ev.kv.key[len(base):])
             yield name, None if ev.kind == "DELETE" else TopicMeta.from_json(name, ev.kv.value)
+
+    async def follow(self, read: Callable[[int], Awaitable[None]], watch: Callable[[int], AsyncIterator[T]],
+                     apply: Callable[[T], Awaitable[None]], what: str, revision: int = 0) -> None:
+        """Keep a copy of some keys current, for ever: read(revision) reads
+        them all as of one revision, then apply() takes each change watch()
+        reports from the next revision on, so nothing written in between is
+        missed (reading, then watching from whatever revision the watch
+        starts at, missed what was written in between until the next change).
+        When etcd goes away, all is read again a second later. With revision,
+        the keys were read as of it already: the first pass only watches."""
+        while True:
+            try:
+                if not revision:
+                    revision = await self.revision()
+                    await read(revision)
+                async for change in watch(revision + 1):
+                    await apply(change)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("watching %s failed (%r); reading them again in 1 s", what, exc)
+            revision = 0
+            await asyncio.sleep(1)
 
     async def delete_topic(self, name: str) -> None:
         tx = self.client.transactions
@@ -786,15 +813,22 @@ class MetaStore:
         await self.client.transaction(compare=[tx.value(key) == str(broker_id).encode()],
                                       success=[tx.delete(key)], failure=[])
 
-    async def owners(self, topics: Collection[str] | None = None) -> dict[TopicPartition, int]:
+    async def owners(self, topics: Collection[str] | None = None, revision: int = 0) -> dict[TopicPartition, int]:
         """The owner of each claimed partition: of every topic (one scan), or of
-        the named topics only (a range read each)."""
+        the named topics only (a range read each); as of revision, where given."""
         base = self.k("owners", "")
         out = {}
         for prefix in [base] if topics is None else [self.k("owners", t, "") for t in topics]:
-            async for kv in self.scan(prefix):
+            async for kv in self.scan(prefix, revision=revision):
                 out[_topic_partition(kv.key, base)] = int(kv.value)
         return out
+
+    async def watch_owners(self, start_revision: int) -> AsyncIterator[tuple[TopicPartition, int | None]]:
+        """Every change of a partition's owner from start_revision on: (the
+        partition, its new owner), or (the partition, None) once released."""
+        base = self.k("owners", "")
+        async for ev in await self.client.watch_prefix(base, start_revision=start_revision):
+            yield _topic_partition(ev.kv.key, base), None if ev.kind == "DELETE" else int(ev.kv.value)
 
     async def claimed_partitions(self) -> set[TopicPartition]:
         """Every partition ever claimed (it has a state key): no other holds records."""

@@ -16,11 +16,10 @@ from kafscale.metadata.store import WAL_GETS, Fenced, MetaStore, PartitionState,
 
 async def contract(meta: MetaStore, expire) -> None:
     topic = "orders"
-    changes = meta.watch_topics()
-    watched = asyncio.ensure_future(changes.__anext__())
-    await asyncio.sleep(0.3)  # the watch is registered
+    start = await meta.revision()
     await meta.create_topic(topic, 2, {})
-    assert (await asyncio.wait_for(watched, 10))[0] == topic
+    changes = meta.watch_topics(start + 1)  # started after the write: reports it (from its revision on)
+    assert (await asyncio.wait_for(changes.__anext__(), 10))[0] == topic
     with pytest.raises(TopicExists):
         await meta.create_topic(topic, 2, {})
     assert await meta.get_partition(topic, 0) is None, "no key until the first claim"
@@ -35,9 +34,12 @@ async def contract(meta: MetaStore, expire) -> None:
     assert [x.last for x in await meta.list_segments(topic, 0)] == [9]
     await meta.commit_offsets("g", {(topic, p): {"offset": p} for p in range(1500)})
     assert len(await meta.fetch_offsets("g")) == 1500, "a scan pages past one reply"
+    owners_from = await meta.revision() + 1
     lease = await meta.register_broker(7, "h", 1, ttl=5)
     assert await meta.claim_owner(topic, 1, 7, lease) and not await meta.claim_owner(topic, 1, 8, lease)
     assert (await meta.owners())[(topic, 1)] == 7
+    owned = meta.watch_owners(owners_from)
+    assert await asyncio.wait_for(owned.__anext__(), 10) == ((topic, 1), 7)
     other = await meta.register_broker(8, "h", 2, ttl=60)
     await meta.create_fence("f8", other)
     await meta.claim_partition(topic, 0, 8, "f8")
@@ -79,8 +81,12 @@ async def contract(meta: MetaStore, expire) -> None:
     with pytest.raises(aetcd.exceptions.ClientError, match="future revision"):
         await meta.compact_history(history + 1_000_000)
     assert await meta.revision() == history, "compacting is no write"
+    with pytest.raises(aetcd.exceptions.ClientError, match="compacted"):
+        await meta.watch_owners(history - 1).__anext__()
     await expire(lease)
     assert (topic, 1) not in await meta.owners() and 7 not in [b for b, _, _ in await meta.list_brokers()]
+    while (change := await asyncio.wait_for(owned.__anext__(), 10)) != ((topic, 1), None):
+        assert change[1] is not None or change[0] == (topic, 0), change  # its claims, then both released
     await meta.delete_topic(topic)
     assert await meta.get_topic(topic) is None
     with pytest.raises(KeyError):
