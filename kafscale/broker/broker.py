@@ -55,6 +55,7 @@ class Broker:
     async def start(self, lease: Any) -> None:
         await self.partitions.start(lease)
         await self.cluster.refresh()
+        await self.cluster.follow_owners()
         await self.partitions.refresh_defaults()
         await self.groups.start()
         self._tasks = [asyncio.create_task(self.partitions.watch_topics(), name="topic watch"),
@@ -75,6 +76,7 @@ class Broker:
         self.partitions.closing = True
         for task in self._tasks:
             task.cancel()
+        self.cluster.close()
         await self.groups.close()
         await self.partitions.close(drain_s)
 

@@ -6,6 +6,7 @@ the same membership, and when a broker joins or leaves only the keys it
 gains or loses move."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -13,6 +14,7 @@ import xxhash
 
 from kafscale.config import Config
 from kafscale.metadata.store import MetaStore
+from kafscale.protocol.types import TopicPartition
 
 PLACED_MAX = 1_000_000  # placements remembered (a proxy sees every partition of the cluster)
 
@@ -31,6 +33,8 @@ class Cluster:
         self._ids = sorted(self._brokers)
         self._placed: dict[tuple[str, int], int] = {}  # desired owners under the current membership
         self.generation = 0  # counts membership changes: placements change only with it
+        self.owners: dict[TopicPartition, int] = {}  # each claimed partition's owner, as followed (follow_owners)
+        self._following: asyncio.Task[None] | None = None
 
     @property
     def brokers(self) -> Mapping[int, tuple[str, int]]:
@@ -45,6 +49,32 @@ class Cluster:
             self._placed = {}
             self.generation += 1
         self._brokers = live
+
+    async def follow_owners(self) -> None:
+        """Read every partition's owner, then keep `owners` current with an etcd
+        watch, as a task (from the revision read: nothing written meanwhile is
+        missed). A Metadata request then reads no owner key: reading them all
+        took 30 ms for each at 10,000 partitions, 72 ms for the topic's own,
+        in the event loop that also flushes and acknowledges; a proxy read
+        them all every second."""
+        revision = await self.meta.revision()
+        await self._read_owners(revision)
+        self._following = asyncio.create_task(self.meta.follow(
+            self._read_owners, self.meta.watch_owners, self._owner_changed, "partition owners", revision))
+
+    async def _read_owners(self, revision: int) -> None:
+        self.owners = await self.meta.owners(revision)
+
+    async def _owner_changed(self, change: tuple[TopicPartition, int | None]) -> None:
+        tp, owner = change
+        if owner is None:
+            self.owners.pop(tp, None)
+        else:
+            self.owners[tp] = owner
+
+    def close(self) -> None:
+        if self._following is not None:
+            self._following.cancel()
 
     async def refresh(self) -> None:
         """Live brokers that take work: registered and not being drained."""
@@ -65,10 +95,11 @@ class Cluster:
                 self._placed[(topic, partition)] = found
         return found
 
-    def leader(self, topic: str, partition: int, recorded: int | None) -> int:
-        """Who serves a partition: its recorded owner while that broker is live,
-        else the broker that will claim it on first use."""
-        return recorded if recorded in self.brokers else self.desired_owner(topic, partition)
+    def leader(self, topic: str, partition: int) -> int:
+        """Who serves a partition: its owner (as followed) while that broker is
+        live, else the broker that will claim it on first use."""
+        owner = self.owners.get((topic, partition))
+        return owner if owner in self._brokers else self.desired_owner(topic, partition)
 
     def coordinator_for(self, group: str) -> int:
         found = rendezvous(f"g|{group}", self._ids)

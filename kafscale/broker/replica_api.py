@@ -44,7 +44,7 @@ class ReplicaApi(PartitionApi):
         if refusal:
             return {"throttle_time_ms": 0, "error_code": refusal, "results": []}
         cluster, me = self.partitions.cluster, self.cfg.node_id
-        owners, sizes = await self.meta.owners(), await self.meta.segment_bytes()
+        sizes = await self.meta.segment_bytes()
         if req["topics"] is None:
             wanted = {t.name: range(t.partitions) for t in await self.meta.list_topics()}
         else:
@@ -55,7 +55,7 @@ class ReplicaApi(PartitionApi):
                     wanted[meta.name] = [p for p in t["partitions"] if has_partition(meta, p)]
         topics = []
         for name, parts in sorted(wanted.items()):
-            mine = [p for p in parts if cluster.leader(name, p, owners.get((name, p))) == me]
+            mine = [p for p in parts if cluster.leader(name, p) == me]
             if mine:
                 topics.append({"name": name, "partitions": [
                     {"partition_index": p, "partition_size": self.partitions.log_bytes(name, p, sizes), "offset_lag": 0,

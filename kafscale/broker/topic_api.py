@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
 from typing import Any
 
 from kafscale.broker.context import RequestContext
@@ -17,8 +16,6 @@ from kafscale.security.acl import CLUSTER, Operation, ResourceType
 from kafscale.storage.partition import LogError
 
 log = logging.getLogger(__name__)
-
-OWNER_RANGE_KEYS = 100  # an etcd range read costs a worker about as much as parsing this many owner keys
 
 
 class TopicApi(PartitionApi):
@@ -35,10 +32,10 @@ class TopicApi(PartitionApi):
         return [{"node_id": b, "host": h, "port": p, "rack": None}
                 for b, (h, p) in sorted(self.partitions.cluster.brokers.items())]
 
-    def _topic_metadata(self, meta: TopicMeta, owners: dict[tuple[str, int], int]) -> dict[str, Any]:
+    def _topic_metadata(self, meta: TopicMeta) -> dict[str, Any]:
         parts = []
         for p in range(meta.partitions):
-            leader = self.partitions.cluster.leader(meta.name, p, owners.get((meta.name, p)))
+            leader = self.partitions.cluster.leader(meta.name, p)
             parts.append({"error_code": 0, "partition_index": p, "leader_id": leader, "leader_epoch": 0,
                           "replica_nodes": [leader], "isr_nodes": [leader], "offline_replicas": []})
         return {"error_code": 0, "name": meta.name, "topic_id": meta.id, "is_internal": False, "partitions": parts}
@@ -47,60 +44,42 @@ class TopicApi(PartitionApi):
     def _topic_error(code: ErrorCode, name: str | None, t: dict[str, Any]) -> dict[str, Any]:
         return {"error_code": code, "name": name, "topic_id": t.get("topic_id", bytes(16)), "partitions": []}
 
-    async def _owners(self, names: Collection[str] | None) -> tuple[dict[tuple[str, int], int], bool]:
-        """The claimed partitions' owners, and whether etcd was unreachable
-        (then none: leaders are where they will be claimed). Of every topic
-        (names None), or of the named ones: a range read each, unless that
-        reads about as many keys as one scan of all owners (a range counted as
-        OWNER_RANGE_KEYS keys). Scanning every owner, a Metadata request naming
-        a one-partition topic took 30 ms of a worker's event loop beside a
-        topic of 10,000 partitions."""
-        if names is not None:
-            cached = self.partitions.topics
-            everything = sum(m.partitions for m in cached.values())
-            wanted = sum(m.partitions for n in names if (m := cached.get(n)) is not None)
-            if wanted + len(names) * OWNER_RANGE_KEYS >= everything:
-                names = None
-        try:
-            return await self.meta.owners(names), False
-        except Exception as exc:
-            if not unavailable(exc):
-                raise
-            log.warning("etcd unreachable (%r): leaders answered as placed, topics from the cache", exc)
-            return {}, True
-
     async def metadata(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
-        """Topics, partitions and leaders. While etcd is unreachable, answered
-        from what this broker last read (leaders where they will be claimed)."""
+        """Topics, partitions and leaders (from the partition owners the
+        cluster follows: no etcd read for them). While etcd is unreachable,
+        answered from what this broker last read."""
         wanted = req.get("topics")
         if wanted is None or (hdr.api_version == 0 and not wanted):
-            owners, etcd_down = await self._owners(None)
-            metas = list(self.partitions.topics.values()) if etcd_down else await self.meta.list_topics()
+            try:
+                metas = await self.meta.list_topics()
+            except Exception as exc:
+                if not unavailable(exc):
+                    raise
+                log.warning("Metadata: etcd unreachable (%r); answering from the cached topics", exc)
+                metas = self.partitions.topics.values()
             for m in metas:
                 self.partitions.topics.put(m)
-            topics = [self._topic_metadata(m, owners) for m in sorted(metas, key=lambda m: m.name)
+            topics = [self._topic_metadata(m) for m in sorted(metas, key=lambda m: m.name)
                       if self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, m.name)]
         else:
-            found: list[TopicMeta | dict[str, Any]] = []  # each named topic's meta, or its error entry
+            topics = []
             auto = req.get("allow_auto_topic_creation", True)
             for t in wanted:
                 name = t.get("name")
                 if name and not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, name):
-                    found.append(self._topic_error(ErrorCode.TOPIC_AUTHORIZATION_FAILED, name, t))
+                    topics.append(self._topic_error(ErrorCode.TOPIC_AUTHORIZATION_FAILED, name, t))
                     continue
                 meta = (await self.partitions.topic(name, auto and self.access.may_create_topic(hdr, name)) if name
                         else await self.partitions.topic_by_id(t.get("topic_id", b"")))
                 if meta is not None and not self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, meta.name):
-                    found.append(self._topic_error(ErrorCode.TOPIC_AUTHORIZATION_FAILED, name, t))
+                    topics.append(self._topic_error(ErrorCode.TOPIC_AUTHORIZATION_FAILED, name, t))
                 elif meta is None:
                     err = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if name else ErrorCode.UNKNOWN_TOPIC_ID
                     if name and topic_name_error(name):
                         err = ErrorCode.INVALID_TOPIC_EXCEPTION
-                    found.append(self._topic_error(err, name, t))
+                    topics.append(self._topic_error(err, name, t))
                 else:
-                    found.append(meta)
-            owners, _ = await self._owners({m.name for m in found if isinstance(m, TopicMeta)})
-            topics = [self._topic_metadata(m, owners) if isinstance(m, TopicMeta) else m for m in found]
+                    topics.append(self._topic_metadata(meta))
         if req.get("include_topic_authorized_operations"):
             for topic in topics:
                 if not topic["error_code"]:
@@ -121,7 +100,6 @@ class TopicApi(PartitionApi):
         else:
             names = sorted(m.name for m in await self.meta.list_topics()
                            if self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, m.name))
-        owners, _ = await self._owners(names)
         cursor = req["cursor"]
         if cursor is not None:
             names = [n for n in names if n >= cursor["topic_name"]]
@@ -141,7 +119,7 @@ class TopicApi(PartitionApi):
                 next_cursor = {"topic_name": name, "partition_index": 0}
                 break
             first = cursor["partition_index"] if cursor is not None and name == cursor["topic_name"] else 0
-            entry = self._topic_metadata(meta, owners)
+            entry = self._topic_metadata(meta)
             entry["partitions"] = entry["partitions"][first:first + room]
             entry["topic_authorized_operations"] = self.access.operations(hdr, ResourceType.TOPIC, name)
             topics.append(entry)

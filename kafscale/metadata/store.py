@@ -33,7 +33,7 @@ import json
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, TypeVar
 
@@ -813,15 +813,10 @@ class MetaStore:
         await self.client.transaction(compare=[tx.value(key) == str(broker_id).encode()],
                                       success=[tx.delete(key)], failure=[])
 
-    async def owners(self, topics: Collection[str] | None = None, revision: int = 0) -> dict[TopicPartition, int]:
-        """The owner of each claimed partition: of every topic (one scan), or of
-        the named topics only (a range read each); as of revision, where given."""
+    async def owners(self, revision: int = 0) -> dict[TopicPartition, int]:
+        """The owner of each claimed partition (as of revision, where given)."""
         base = self.k("owners", "")
-        out = {}
-        for prefix in [base] if topics is None else [self.k("owners", t, "") for t in topics]:
-            async for kv in self.scan(prefix, revision=revision):
-                out[_topic_partition(kv.key, base)] = int(kv.value)
-        return out
+        return {_topic_partition(kv.key, base): int(kv.value) async for kv in self.scan(base, revision=revision)}
 
     async def watch_owners(self, start_revision: int) -> AsyncIterator[tuple[TopicPartition, int | None]]:
         """Every change of a partition's owner from start_revision on: (the

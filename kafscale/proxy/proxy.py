@@ -62,11 +62,10 @@ class Proxy:
         self.meta = meta
         self.node_id = node_id
         self.cluster = Cluster(meta, cfg, member=False)
-        self.owners: dict[tuple[str, int], int] = {}
         self.topic_names: dict[bytes, str] = {}
         # client connection -> broker -> upstream connection (0: requests outside a client connection)
         self.upstreams: dict[int, dict[int, Upstream]] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._refresh_task: asyncio.Task[None] | None = None
         self._refresh_now: asyncio.Task[None] | None = None  # a refresh after a broker failed
         self.handlers: dict[int, Handler] = {
             key: self._forward_any for key in schemas.APIS}
@@ -85,29 +84,16 @@ class Proxy:
 
     # ------------------------------------------------------------ membership
     async def start(self) -> None:
-        """Membership and topics are read every second; partition owners once,
-        then followed by an etcd watch: reading them all every second held the
-        proxy's event loop for 30 ms a second with 10,000 partitions."""
+        """Membership and topics are read every second; the partition owners
+        are followed (Cluster.follow_owners)."""
         await self.refresh()
-        revision = await self.meta.revision()
-        await self._read_owners(revision)
-        self._tasks = [asyncio.create_task(self._refresh_loop()),
-                       asyncio.create_task(self.meta.follow(self._read_owners, self.meta.watch_owners,
-                                                            self._owner_changed, "partition owners", revision))]
-
-    async def _read_owners(self, revision: int) -> None:
-        self.owners = await self.meta.owners(revision=revision)
-
-    async def _owner_changed(self, change: tuple[tuple[str, int], int | None]) -> None:
-        tp, owner = change
-        if owner is None:
-            self.owners.pop(tp, None)
-        else:
-            self.owners[tp] = owner
+        await self.cluster.follow_owners()
+        self._refresh_task = asyncio.create_task(self._refresh_loop())
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        if self._refresh_task:
+            self._refresh_task.cancel()
+        self.cluster.close()
         for conn in list(self.upstreams):
             await self._close_upstreams(conn)
 
@@ -165,7 +151,7 @@ class Proxy:
         return max(wait_ms, 0) / 1000 + self.cfg.proxy_upstream_timeout_s
 
     def _owner(self, topic: str, p: int) -> int:
-        return self.cluster.leader(topic, p, self.owners.get((topic, p)))
+        return self.cluster.leader(topic, p)
 
     async def _send_any(self, hdr: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
         """Send to a live broker; one that fails (dead but its lease not yet

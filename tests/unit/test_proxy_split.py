@@ -20,7 +20,7 @@ from kafscale.proxy.proxy import Proxy, UpstreamError
 def proxy_with(owners: dict[tuple[str, int], int], failing: set[int]) -> tuple[Proxy, dict[int, dict]]:
     proxy = Proxy(Config(), MetaStore.in_memory())
     proxy.cluster.brokers = {1: ("h1", 1), 2: ("h2", 2), 3: ("h3", 3)}
-    proxy.owners = owners
+    proxy.cluster.owners = owners
     sent: dict[int, dict] = {}
 
     async def send(broker, hdr, body, expect_reply=True):
