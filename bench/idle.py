@@ -11,8 +11,9 @@ log process, the workers, etcd and SeaweedFS. Then the broker is stopped
 (SIGTERM): how long it takes to exit, handing every partition over, and the
 etcd transactions it makes meanwhile (etcd's own /metrics). Before the stop,
 METADATA_REQUESTS Metadata requests (v12, one after the other on one
-connection) name a one-partition topic beside the P partitions: their p50
-and p99, as a ratio to P = 1's. SeaweedFS keeps its objects on a tmpfs
+connection) name a one-partition topic beside the P partitions (their p50
+and p99), then METADATA_OF_P name the P-partition topic itself (their p50),
+each as a ratio to P = 1's. SeaweedFS keeps its objects on a tmpfs
 (/dev/shm), as bench/partitions.py does.
 
     python -m bench.idle [--partitions 1,1000,10000] [--seconds 30]
@@ -37,10 +38,22 @@ from kafscale.protocol.schemas import METADATA
 
 COMPACTED_WITHIN_S = 180  # the opening records' node objects are compacted away by then (else the run fails)
 METADATA_REQUESTS = 200
+METADATA_OF_P = 20
+
+
+def read_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the broker closed the connection")
+        buf += chunk
+    return bytes(buf)
 
 
 def metadata_latencies(bootstrap: str, topic: str, n: int = METADATA_REQUESTS) -> list[float]:
-    """Seconds each of n Metadata requests naming `topic` took, sorted."""
+    """Seconds each of n Metadata requests naming `topic` took until its
+    whole response was read (decoding it is the client's time), sorted."""
     host, _, port = bootstrap.rpartition(":")
     body = {"topics": [{"name": topic, "topic_id": bytes(16)}], "allow_auto_topic_creation": False,
             "include_topic_authorized_operations": False}
@@ -49,20 +62,20 @@ def metadata_latencies(bootstrap: str, topic: str, n: int = METADATA_REQUESTS) -
         for i in range(n):
             t0 = time.perf_counter()
             sock.sendall(encode_request(METADATA.key, 12, i, body))
-            size = struct.unpack(">i", sock.recv(4, socket.MSG_WAITALL))[0]
-            _, md = decode_response(METADATA.key, 12, sock.recv(size, socket.MSG_WAITALL))
+            frame = read_exactly(sock, struct.unpack(">i", read_exactly(sock, 4))[0])
             out.append(time.perf_counter() - t0)
+            _, md = decode_response(METADATA.key, 12, frame)
             if md["topics"][0]["error_code"]:
                 raise RuntimeError(f"Metadata of {topic}: error {md['topics'][0]['error_code']}")
     return sorted(out)
 
 
 def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float
-             ) -> tuple[dict[str, float], list[float], float, int]:
+             ) -> tuple[dict[str, float], tuple[list[float], list[float]], float, int]:
     """The cores each process of the node and the stores used over `seconds`
     with P idle open partitions, and the latencies of Metadata requests naming
-    a topic of one partition beside them; then the broker's stop: seconds to
-    exit and etcd transactions."""
+    a topic of one partition beside them and naming their topic; then the
+    broker's stop: seconds to exit and etcd transactions."""
     cluster = f"idle{partitions}x{uuid.uuid4().hex[:4]}"
     proc, bootstrap = start_broker(stack, logdir, cluster)
     try:
@@ -77,7 +90,7 @@ def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float
         with CpuMeter({"log process": [log_process], "workers": workers, "etcd": [etcd],
                        "SeaweedFS": [weed]}) as cpu:
             time.sleep(seconds)
-        metadata = metadata_latencies(bootstrap, "one")
+        metadata = metadata_latencies(bootstrap, "one"), metadata_latencies(bootstrap, "idle", METADATA_OF_P)
     except BaseException:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
@@ -102,16 +115,18 @@ def main() -> None:
             runs = {p: idle_run(stack, Path(tmp), p, args.seconds) for p in counts}
         finally:
             stack.stop()
-    base, base_md = runs[counts[0]][0], runs[counts[0]][1]
+    base, (base_one, base_all) = runs[counts[0]][0], runs[counts[0]][1]
     print(f"idle open partitions, CPU cores over {args.seconds:.0f} s once every node object was compacted "
           f"(ratio to P = {counts[0]} in brackets); Metadata of a one-partition topic beside them, p50 and p99 "
-          f"of {METADATA_REQUESTS}; then the stop (SIGTERM to exit) and its etcd transactions")
+          f"of {METADATA_REQUESTS}, and of the P-partition topic, p50 of {METADATA_OF_P}; then the stop (SIGTERM "
+          f"to exit) and its etcd transactions")
     print(f"{'P':>7} " + " ".join(f"{name:>20}" for name in base)
-          + f" {'Metadata p50 ms':>18} {'Metadata p99 ms':>18} {'stop s':>8} {'stop txns':>10}")
-    for p, (cores, md, stop_s, stop_txns) in runs.items():
+          + f" {'Metadata p50 ms':>18} {'Metadata p99 ms':>18} {'of P topic p50':>18} {'stop s':>8} {'stop txns':>10}")
+    for p, (cores, (one, whole), stop_s, stop_txns) in runs.items():
         print(f"{p:>7} " + " ".join(f"{c:8.3f} ({c / base[name] if base[name] else float('nan'):6.2f})    "
                                      for name, c in cores.items())
-              + "".join(f" {pct(md, q) * 1000:9.2f} ({pct(md, q) / pct(base_md, q):5.2f})" for q in (0.5, 0.99))
+              + "".join(f" {pct(md, q) * 1000:9.2f} ({pct(md, q) / pct(md0, q):5.2f})"
+                        for md, md0, q in ((one, base_one, 0.5), (one, base_one, 0.99), (whole, base_all, 0.5)))
               + f" {stop_s:8.1f} {stop_txns:10d}")
 
 

@@ -4,18 +4,46 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from kafscale.broker.context import RequestContext
 from kafscale.broker.partitions import PartitionApi
 from kafscale.metadata import topic_config
 from kafscale.metadata.store import TopicExists, TopicMeta, unavailable
 from kafscale.metadata.topic_config import topic_name_error
 from kafscale.protocol import schemas
+from kafscale.protocol.codec import Encoded
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.types import EARLIEST, EARLIEST_LOCAL, LATEST, LATEST_TIERED, MAX_TIMESTAMP
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
 from kafscale.storage.partition import LogError
 
 log = logging.getLogger(__name__)
+
+
+def metadata_partitions(leaders: list[int], version: int) -> Encoded:
+    """A Metadata response's partitions in `version`'s layout, partition i led
+    by leaders[i] (its one replica, in sync; none offline; no error; epoch 0),
+    packed in one go. As dicts, 10,000 partitions took 20 ms to build and 8 ms
+    to pickle in the log process, 25 ms to unpickle and 30 ms to encode in the
+    worker."""
+    flexible = version >= schemas.METADATA.response.flexible_min
+    length = "u1" if flexible else ">i4"  # an array's length: a compact one's length + 1 in one varint byte
+    fields = [("error_code", ">i2"), ("partition_index", ">i4"), ("leader_id", ">i4")]
+    if version >= 7:
+        fields.append(("leader_epoch", ">i4"))
+    fields += [("replicas", length), ("replica", ">i4"), ("isr", length), ("in_sync", ">i4")]
+    if version >= 5:
+        fields.append(("offline", length))
+    if flexible:
+        fields.append(("tags", "u1"))
+    packed = np.zeros(len(leaders), dtype=fields)
+    packed["partition_index"] = np.arange(len(leaders))
+    packed["leader_id"] = packed["replica"] = packed["in_sync"] = leaders
+    packed["replicas"] = packed["isr"] = 2 if flexible else 1
+    if version >= 5:
+        packed["offline"] = 1 if flexible else 0
+    return Encoded(len(leaders), packed.tobytes())
 
 
 class TopicApi(PartitionApi):
@@ -32,12 +60,14 @@ class TopicApi(PartitionApi):
         return [{"node_id": b, "host": h, "port": p, "rack": None}
                 for b, (h, p) in sorted(self.partitions.cluster.brokers.items())]
 
-    def _topic_metadata(self, meta: TopicMeta) -> dict[str, Any]:
-        parts = []
-        for p in range(meta.partitions):
-            leader = self.partitions.cluster.leader(meta.name, p)
-            parts.append({"error_code": 0, "partition_index": p, "leader_id": leader, "leader_epoch": 0,
-                          "replica_nodes": [leader], "isr_nodes": [leader], "offline_replicas": []})
+    def _topic_metadata(self, meta: TopicMeta, version: int | None = None) -> dict[str, Any]:
+        """A topic's entry, its partitions as dicts, or packed for a Metadata
+        response of `version` (metadata_partitions)."""
+        leaders = [self.partitions.cluster.leader(meta.name, p) for p in range(meta.partitions)]
+        parts: list[dict[str, Any]] | Encoded = metadata_partitions(leaders, version) if version is not None else [
+            {"error_code": 0, "partition_index": p, "leader_id": leader, "leader_epoch": 0,
+             "replica_nodes": [leader], "isr_nodes": [leader], "offline_replicas": []}
+            for p, leader in enumerate(leaders)]
         return {"error_code": 0, "name": meta.name, "topic_id": meta.id, "is_internal": False, "partitions": parts}
 
     @staticmethod
@@ -59,7 +89,7 @@ class TopicApi(PartitionApi):
                 metas = self.partitions.topics.values()
             for m in metas:
                 self.partitions.topics.put(m)
-            topics = [self._topic_metadata(m) for m in sorted(metas, key=lambda m: m.name)
+            topics = [self._topic_metadata(m, hdr.api_version) for m in sorted(metas, key=lambda m: m.name)
                       if self.access.allowed(hdr, Operation.DESCRIBE, ResourceType.TOPIC, m.name)]
         else:
             topics = []
@@ -79,7 +109,7 @@ class TopicApi(PartitionApi):
                         err = ErrorCode.INVALID_TOPIC_EXCEPTION
                     topics.append(self._topic_error(err, name, t))
                 else:
-                    topics.append(self._topic_metadata(meta))
+                    topics.append(self._topic_metadata(meta, hdr.api_version))
         if req.get("include_topic_authorized_operations"):
             for topic in topics:
                 if not topic["error_code"]:

@@ -56,6 +56,16 @@ NO_DEFAULT: Any = object()  # a field without `default=` in the schema
 STRICT = os.environ.get("KAFSCALE_STRICT_CODEC") == "1"
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """An array field's elements encoded already, for the version the message
+    is written in: the codec writes their count and their bytes as they are
+    (the partitions of a large topic's Metadata, see topic_api)."""
+
+    count: int
+    data: bytes
+
+
 class DecodeError(ValueError):
     """The bytes do not match the schema (truncated, bad length, bad UTF-8)."""
 
@@ -320,6 +330,10 @@ class _StructCodec:
             def array(w: Writer, value: Any) -> None:
                 if value is _MISSING:
                     value = f.default_value(self.version)
+                if isinstance(value, Encoded):
+                    self._write_len(w, value.count, True)
+                    w.write(value.data)
+                    return
                 if value is None:
                     if nullable:
                         self._write_len(w, -1, True)

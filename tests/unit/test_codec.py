@@ -295,3 +295,26 @@ def test_the_native_produce_encoder_writes_what_the_schema_does(version):
         native = b"".join(bytes(c) for c in PRODUCE.response.encode(body, version).finish())
         generic = b"".join(bytes(c) for c in PRODUCE.response.generic_encode(body, version).finish())
         assert native == generic, body
+
+
+def test_packed_metadata_partitions_are_the_schema_encoding_in_every_version():
+    """topic_api.metadata_partitions writes exactly what the schema's encoder
+    writes for the same partitions as dicts, in every Metadata version."""
+    from kafscale.broker.topic_api import metadata_partitions
+
+    leaders = [1, 7, 2**31 - 1, 3, 0] * 50
+
+    def body(parts):
+        return {"throttle_time_ms": 0, "brokers": [{"node_id": 1, "host": "h", "port": 9092, "rack": None}],
+                "cluster_id": "c", "controller_id": 1, "topics": [
+                    {"error_code": 0, "name": "t", "topic_id": bytes(16), "is_internal": False, "partitions": parts}]}
+
+    dicts = [{"error_code": 0, "partition_index": p, "leader_id": leader, "leader_epoch": 0,
+              "replica_nodes": [leader], "isr_nodes": [leader], "offline_replicas": []}
+             for p, leader in enumerate(leaders)]
+    for v in range(METADATA.min_version, METADATA.max_version + 1):
+        want = b"".join(bytes(c) for c in METADATA.response.generic_encode(body(dicts), v).finish())
+        got = b"".join(bytes(c) for c in METADATA.response.generic_encode(body(metadata_partitions(leaders, v)),
+                                                                           v).finish())
+        assert got == want, f"version {v}"
+        assert METADATA.response.decode(memoryview(got), v)[0]["topics"][0]["partitions"][1]["leader_id"] == 7
