@@ -661,18 +661,16 @@ class MetaStore:
         return out
 
     async def _partition_keys(self, revision: int = 0, changed_after: int = 0
-                              ) -> AsyncIterator[tuple[str, str, Any]]:
-        """(topic, partition as written in the key, state as JSON) of every
-        partition ever claimed (at revision; written after changed_after), in one paged scan."""
+                              ) -> AsyncIterator[tuple[TopicPartition, Any]]:
+        """(partition, state as JSON) of every partition ever claimed (at
+        revision; written after changed_after), in one paged scan."""
         base = self.k("partitions", "")
         async for kv in self.scan(base, revision=revision, changed_after=changed_after):
-            topic, _, p = kv.key[len(base):].decode().rpartition("/")
-            yield name_of(topic), p, json.loads(kv.value)
+            yield _topic_partition(kv.key, base), json.loads(kv.value)
 
     async def partition_states(self) -> dict[TopicPartition, PartitionState]:
         """The state of every partition ever claimed."""
-        return {TopicPartition(topic, int(p)): PartitionState(**state)
-                async for topic, p, state in self._partition_keys()}
+        return {tp: PartitionState(**state) async for tp, state in self._partition_keys()}
 
     async def partition_marks(self, changed_after: int = 0) -> tuple[dict[str, dict[int, tuple[int, int]]], int]:
         """The high watermark and the log start offset of every partition
@@ -684,8 +682,8 @@ class MetaStore:
         held the event loop for 40-70 ms."""
         revision = await self.revision()
         marks: dict[str, dict[int, tuple[int, int]]] = {}
-        async for topic, p, state in self._partition_keys(revision, changed_after):
-            marks.setdefault(topic, {})[int(p)] = state["hw"], state["log_start"]
+        async for (topic, p), state in self._partition_keys(revision, changed_after):
+            marks.setdefault(topic, {})[p] = state["hw"], state["log_start"]
         return marks, revision
 
     async def list_segments(self, topic: str, p: int) -> list[SegmentManifest]:
@@ -730,8 +728,7 @@ class MetaStore:
         base = self.k("offsets", group, "")
         out = {}
         async for kv in self.scan(base):
-            topic, _, p = kv.key[len(base):].decode().rpartition("/")
-            out[TopicPartition(name_of(topic), int(p))] = json.loads(kv.value)
+            out[_topic_partition(kv.key, base)] = json.loads(kv.value)
         return out
 
     async def forget_offsets(self, group: str, partitions: list[TopicPartition]) -> None:
