@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from kafscale.broker.access import Access
 from kafscale.broker.cluster import Cluster
@@ -25,6 +25,7 @@ from kafscale.config import Config
 from kafscale.metadata import topic_config
 from kafscale.metadata.store import (
     CLAIM_BATCH,
+    HANDOVER_BATCH,
     SHARED_PARTITIONS,
     TXN_MAX_OPS,
     MetaStore,
@@ -70,36 +71,42 @@ SHARED_GATHER = 16
 # a scan of their own. New partitions opened in 7.8 s with no bound, 9.2-9.5 s with 256 and 13 s with 32; after a
 # SIGKILL they reopened (with reads) in 30-32 s with 256 and 47 s with 32, 27 s before the bound
 CLAIMS_AT_ONCE = 256
-# claim transactions of up to CLAIM_BATCH partitions each (ClaimQueue) in flight at once: reopening 10,000
+# claim transactions of up to CLAIM_BATCH partitions each (TopicBatches) in flight at once: reopening 10,000
 # partitions made 40,000 etcd calls one partition at a time, which took a third of the log process's time
 CLAIM_BATCHES_AT_ONCE = 4
+# hand-over transactions of up to HANDOVER_BATCH partitions each in flight at once: a broker with 10,000
+# partitions stopped with 10,001 etcd transactions, one a partition
+HANDOVER_BATCHES_AT_ONCE = 4
 RETENTION_TURN = 1000  # partitions the retention pass goes through before it lets other work run
 
 Claimed = tuple[PartitionState, bytes]
+T = TypeVar("T")
+R = TypeVar("R")
 
 
-class ClaimQueue:
-    """The claims of the partitions being opened, gathered: those of a topic
-    that wait while CLAIM_BATCHES_AT_ONCE claims are under way go together,
-    up to CLAIM_BATCH in one read and one transaction
-    (MetaStore.claim_partitions). A claim starts at once when a slot is free,
-    so one partition opened alone waits for nothing. `check` runs for each
+class TopicBatches(Generic[T, R]):
+    """Calls about single partitions, gathered by topic: those of a topic that
+    wait while `at_once` batches are under way go together, up to `size` in
+    one call of `run(topic, [(partition, item), ...])`, which returns the
+    result of each partition it did. A call starts at once when a slot is
+    free, so one partition alone waits for nothing. `check` runs for each
     partition as its batch starts (it raises LogError when the partition must
-    not be opened here now); `claim` claims a batch."""
+    not go now). A partition its batch did not do, or whose batch failed,
+    gets None: its caller does it alone, which tells why."""
 
-    def __init__(self, check: Callable[[str, int], None],
-                 claim: Callable[[str, list[int]], Awaitable[dict[int, Claimed]]]) -> None:
-        self._check, self._claim = check, claim
-        self._queued: dict[str, list[tuple[int, asyncio.Future[Claimed | None]]]] = {}
-        self._slots = asyncio.Semaphore(CLAIM_BATCHES_AT_ONCE)
+    def __init__(self, run: Callable[[str, list[tuple[int, T]]], Awaitable[dict[int, R]]], size: int,
+                 at_once: int, check: Callable[[str, int], None] = lambda topic, p: None) -> None:
+        self._run, self._size, self._check = run, size, check
+        self._queued: dict[str, list[tuple[int, T, asyncio.Future[R | None]]]] = {}
+        self._slots = asyncio.Semaphore(at_once)
         self._tasks: set[asyncio.Task[None]] = set()  # the drain and the batches under way
 
-    async def claim(self, topic: str, p: int) -> Claimed | None:
-        """The partition's claim, or None when its batch did not claim it: claim it alone."""
-        fut: asyncio.Future[Claimed | None] = asyncio.get_running_loop().create_future()
+    async def submit(self, topic: str, p: int, item: T) -> R | None:
+        """The partition's result, or None when its batch did not do it: do it alone."""
+        fut: asyncio.Future[R | None] = asyncio.get_running_loop().create_future()
         if not self._queued:
             self._spawn(self._drain())
-        self._queued.setdefault(topic, []).append((p, fut))
+        self._queued.setdefault(topic, []).append((p, item, fut))
         return await fut
 
     def _spawn(self, work: Awaitable[None]) -> None:
@@ -112,31 +119,31 @@ class ClaimQueue:
             await self._slots.acquire()
             topic = next(iter(self._queued))
             queue = self._queued[topic]
-            batch, queue[:] = queue[:CLAIM_BATCH], queue[CLAIM_BATCH:]
+            batch, queue[:] = queue[:self._size], queue[self._size:]
             if not queue:
                 del self._queued[topic]
             self._spawn(self._batch(topic, batch))
 
-    async def _batch(self, topic: str, batch: list[tuple[int, asyncio.Future[Claimed | None]]]) -> None:
+    async def _batch(self, topic: str, batch: list[tuple[int, T, asyncio.Future[R | None]]]) -> None:
         try:
             waiting = []
-            for p, fut in batch:
-                if fut.done():  # its opener gave up meanwhile
+            for p, item, fut in batch:
+                if fut.done():  # its caller gave up meanwhile
                     continue
                 try:
                     self._check(topic, p)
-                    waiting.append((p, fut))
+                    waiting.append((p, item, fut))
                 except LogError as exc:
                     fut.set_exception(exc)
-            claimed: dict[int, Claimed] = {}
+            done: dict[int, R] = {}
             if waiting:
                 try:
-                    claimed = await self._claim(topic, [p for p, _ in waiting])
-                except Exception as exc:  # each is claimed alone, and reports its own error
-                    log.warning("claiming %d partitions of %s together failed: %r", len(waiting), topic, exc)
-            for p, fut in waiting:
+                    done = await self._run(topic, [(p, item) for p, item, _ in waiting])
+                except Exception as exc:  # each is done alone, and reports its own error
+                    log.warning("%d partitions of %s together failed: %r", len(waiting), topic, exc)
+            for p, _, fut in waiting:
                 if not fut.done():
-                    fut.set_result(claimed.get(p))
+                    fut.set_result(done.get(p))
         finally:
             self._slots.release()
 
@@ -178,7 +185,10 @@ class PartitionRegistry:
         self._opening: dict[TopicPartition, asyncio.Future[PartitionLog]] = {}
         self._open_tasks: set[asyncio.Future[PartitionLog]] = set()  # open_soon's, referenced until done
         self._claim_slots = asyncio.Semaphore(CLAIMS_AT_ONCE)
-        self._claims = ClaimQueue(self._may_open, self._claim_batch)
+        self._claims: TopicBatches[None, Claimed] = TopicBatches(self._claim_batch, CLAIM_BATCH,
+                                                                 CLAIM_BATCHES_AT_ONCE, self._may_open)
+        self._hand_overs: TopicBatches[tuple[bytes, PartitionState], bytes] = TopicBatches(
+            self._hand_over_batch, HANDOVER_BATCH, HANDOVER_BATCHES_AT_ONCE)
         self.topics = TopicCache()
         self.lease: Any = None  # our etcd lease: partition ownership hangs on it
         self.closing = False  # shutting down: no partition is opened any more
@@ -328,9 +338,25 @@ class PartitionRegistry:
         finally:
             del self._opening[key]
 
-    async def _claim_batch(self, topic: str, parts: list[int]) -> dict[int, Claimed]:
+    async def _claim_batch(self, topic: str, parts: list[tuple[int, None]]) -> dict[int, Claimed]:
         fence = self.flusher.fence if self.flusher is not None else ""
-        return await self.meta.claim_partitions(topic, parts, self.cfg.node_id, self.lease, fence)
+        return await self.meta.claim_partitions(topic, [p for p, _ in parts], self.cfg.node_id, self.lease, fence)
+
+    async def _hand_over_batch(self, topic: str, parts: list[tuple[int, tuple[bytes, PartitionState]]]
+                               ) -> dict[int, bytes]:
+        """The hand-overs of partitions of a topic in one transaction; when a
+        key of one of them moved, each alone, which tells which."""
+        states = [(p, raw, state) for p, (raw, state) in parts]
+        done = await self.meta.hand_over_partitions(topic, states, self.cfg.node_id)
+        if not done and len(states) > 1:
+            alone = await asyncio.gather(*(self.meta.hand_over(topic, *s, self.cfg.node_id) for s in states))
+            done = {p: raw for (p, _, _), raw in zip(states, alone, strict=True) if raw is not None}
+        return done
+
+    async def _hand_over(self, topic: str, p: int, expected_raw: bytes, new_state: PartitionState) -> bytes | None:
+        """PartitionLog.release_fence's hand-over, in one transaction with those
+        of the topic's other partitions handed over meanwhile."""
+        return await self._hand_overs.submit(topic, p, (expected_raw, new_state))
 
     def _may_open(self, topic: str, p: int) -> None:
         if self.closing:
@@ -351,7 +377,7 @@ class PartitionRegistry:
         lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self.read_budget,
                           lambda lg, m: self.on_change(lg, m), node)
         self._configure(lg, meta)
-        claimed = await self._claims.claim(topic, p)
+        claimed = await self._claims.submit(topic, p, None)
         if claimed is not None:
             lg.claimed(*claimed)
         else:
@@ -384,7 +410,7 @@ class PartitionRegistry:
         if self.flusher is not None:
             try:  # no node object in flight may still hold its batches when another broker claims it
                 await asyncio.wait_for(self.flusher.settled(lg), drain_s)
-                if await asyncio.wait_for(lg.release_fence(and_owner=True), drain_s):
+                if await asyncio.wait_for(lg.release_fence(self._hand_over), drain_s):
                     return  # the owner key went with the fence
             except Exception as exc:  # still ours until our lease expires, or the next owner's claim fences us
                 log.warning("%s/%d: not handed over (%r)", topic, p, exc)
@@ -447,13 +473,22 @@ class PartitionRegistry:
             self._placed_here = {lg: None for lg in self.logs.values() if lg in self._placed_here}
         placed = self._placed_here
         async for logs in in_turns([item for item in self.logs.items() if item[1] not in placed]):
+            going = []
             for (topic, p), lg in logs:
                 desired = self.cluster.desired_owner(topic, p)
                 if desired == self.cfg.node_id:
                     placed[lg] = None
                 elif self.logs.get((topic, p)) is lg:
                     log.info("handing %s/%d over to broker %d", topic, p, desired)
-                    await self.release_partition(topic, p, lg)
+                    going.append(((topic, p), lg))
+            await self._release_all(going)  # together: their hand-overs share transactions
+
+    async def _release_all(self, logs: list[tuple[TopicPartition, PartitionLog]], drain_s: float = 10) -> None:
+        results = await asyncio.gather(*(self.release_partition(t, p, lg, drain_s) for (t, p), lg in logs),
+                                       return_exceptions=True)
+        for exc in results:
+            if isinstance(exc, BaseException):
+                log.warning("handing a partition over failed (its lease expiry hands it over): %r", exc)
 
     async def drop_all(self, new_lease: Any) -> None:
         """Our lease expired (we were paused or cut off): whatever we owned may
@@ -474,11 +509,7 @@ class PartitionRegistry:
         NOT_LEADER_OR_FOLLOWER), so what is handed over stays handed over."""
         self.closing = True
         await asyncio.gather(*self._opening.values(), return_exceptions=True)  # opened or failed: then released
-        results = await asyncio.gather(*(self.release_partition(t, p, lg, drain_s)
-                                         for (t, p), lg in list(self.logs.items())), return_exceptions=True)
-        for exc in results:
-            if isinstance(exc, BaseException):
-                log.warning("handing a partition over failed (its lease expiry hands it over): %r", exc)
+        await self._release_all(list(self.logs.items()), drain_s)
         await self.sweeper.close()
         for _, task in self._markers.values():  # one still retrying: the next broker to open the topic writes it
             task.cancel()

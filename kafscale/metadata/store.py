@@ -206,6 +206,8 @@ CLAIM_BATCH = (TXN_MAX_OPS - 1) // 3
 # segment's manifest (two operations each) and the object's directory, and deletes the manifests of the
 # segments merged away (storage/shared.py): a third of TXN_MAX_OPS is left to those
 SHARED_PARTITIONS = (TXN_MAX_OPS - 1) // 3
+# partitions one hand_over_partitions call hands over: two compares and two operations each
+HANDOVER_BATCH = TXN_MAX_OPS // 2
 SCAN_PAGE = 1000  # keys per etcd range read in MetaStore.scan
 SCAN_TURN = 100  # keys MetaStore.scan hands out before it lets other work run
 WAL_SCAN_PAGE = 50  # node object directories are larger: fewer per range read
@@ -794,15 +796,27 @@ class MetaStore:
         """Write the partition's new state (our fence cleared) and give up its
         ownership in one transaction, if both keys still hold what we wrote:
         the state written, or None (then take the two steps apart,
-        set_log_start and release_owner, to learn which key moved). A
-        stopping broker with 10,000 partitions made two transactions a
-        partition."""
-        tx, owner = self.client.transactions, self.k("owners", topic, p)
-        try:
-            return await self._fenced_update(topic, p, expected_raw, new_state, [tx.delete(owner)],
-                                             also=(tx.value(owner) == str(broker_id).encode(),))
-        except Fenced:
-            return None
+        set_log_start and release_owner, to learn which key moved). Before
+        it, a partition handed over took two transactions."""
+        return (await self.hand_over_partitions(topic, [(p, expected_raw, new_state)], broker_id)).get(p)
+
+    async def hand_over_partitions(self, topic: str, parts: list[tuple[int, bytes, PartitionState]],
+                                   broker_id: int) -> dict[int, bytes]:
+        """What hand_over does, for up to HANDOVER_BATCH partitions of a topic
+        (each with the state it compares and its new state) in one
+        transaction: the new states written, or none when any key moved (then
+        hand each over alone). A stopping broker with 10,000 partitions made a
+        transaction a partition."""
+        assert len(parts) <= HANDOVER_BATCH
+        tx, me = self.client.transactions, str(broker_id).encode()
+        compare, ops, written = [], [], {}
+        for p, expected_raw, new_state in parts:
+            key, owner = self.k("partitions", topic, p), self.k("owners", topic, p)
+            written[p] = new_state.to_json()
+            compare += [tx.value(key) == expected_raw, tx.value(owner) == me]
+            ops += [tx.put(key, written[p]), tx.delete(owner)]
+        ok, _ = await self.client.transaction(compare=compare, success=ops, failure=[])
+        return written if ok else {}
 
     async def release_owner(self, topic: str, p: int, broker_id: int) -> None:
         key = self.k("owners", topic, p)

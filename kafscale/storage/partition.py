@@ -77,6 +77,9 @@ class Acknowledger(Protocol):
 
 # an append's acknowledger and its token for it (a produce's partition response)
 Ack = tuple[Acknowledger, Any]
+# a partition's new state written and its owner key deleted in one transaction, if both still hold what this
+# owner wrote (the new raw state, else None): (topic, partition, the state it compares, the new state)
+HandOver = Callable[[str, int, bytes, PartitionState], Awaitable[bytes | None]]
 
 
 @dataclass(slots=True)  # one a produced batch: slots make it cheaper to make and to keep
@@ -549,20 +552,21 @@ class PartitionLog(LogReader):
             self.cache.put(manifest.ref, CachedSegment.from_built(built[2]))
             self.serve_compacted(manifest, built)
 
-    async def release_fence(self, and_owner: bool = False) -> bool:
+    async def release_fence(self, hand_over: HandOver | None = None) -> bool:
         """Handing over with nothing in flight: clear our fence from the partition's
         state, so that the next owner's claim does not fence the whole node.
         Under the commit lock, after a compaction's commit under way (which
         would put the fence back after ours); a compaction still uploading
         finds the log closed when it takes the lock, and commits nothing.
-        With and_owner, its owner key goes in the same transaction if it is
-        still ours: whether it went (if not, the caller releases it on its
-        own). Fenced: the partition is not ours any more."""
+        With hand_over (MetaStore.hand_over with our broker id, or a call
+        that gathers those of several partitions), its owner key goes in the
+        same transaction if it is still ours: whether it went (if not, the
+        caller releases it on its own). Fenced: the partition is not ours any
+        more."""
         async with self._commit_lock:
             new_state = PartitionState(self.cfg.node_id, self.epoch, self.checkpoint, self.log_start, "")
-            if and_owner:
-                raw = await self.meta.hand_over(self.topic, self.partition, self._state_raw, new_state,
-                                                self.cfg.node_id)
+            if hand_over is not None:
+                raw = await hand_over(self.topic, self.partition, self._state_raw, new_state)
                 if raw is not None:
                     self._state_raw = raw
                     return True

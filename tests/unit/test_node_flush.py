@@ -767,6 +767,34 @@ def test_a_hand_over_is_one_transaction_a_partition_and_takes_nothing_that_moved
     run(go())
 
 
+def test_partitions_handed_over_together_share_transactions():
+    """A stopping broker hands its partitions over HANDOVER_BATCH to a
+    transaction (10,000 partitions took 10,001 transactions). In a batch in
+    which one partition's owner key moved, the others are handed over alone
+    and that one keeps its new owner, with our fence cleared."""
+    from kafscale.metadata.store import HANDOVER_BATCH
+
+    async def go():
+        for moved in (None, 150):
+            n = Node()
+            reg = await n.topic_registry(300)
+            for p in range(300):
+                await reg.partition_log(TOPIC, p)
+            if moved is not None:
+                await n.etcd.put(n.meta.k("owners", TOPIC, moved), b"2")
+            before = n.etcd.txns
+            await reg.close(drain_s=1)
+            took = n.etcd.txns - before
+            # a batch of one for the first release, then full ones, four at a time (one more the flusher's)
+            assert took <= 2 + -(-300 // HANDOVER_BATCH) + (HANDOVER_BATCH + 2 if moved else 0), took
+            states = await n.meta.partition_states()
+            assert {states[(TOPIC, p)].fence for p in range(300)} == {""}
+            assert [await n.meta.owner_of(TOPIC, p) for p in range(300)] == [
+                2 if p == moved else None for p in range(300)]
+
+    run(go())
+
+
 def test_partitions_opened_all_at_once_are_claimed_in_batches_a_few_at_a_time(monkeypatch):
     """A first produce to a large topic opens every partition at once; their
     claims go CLAIM_BATCH to a transaction, a few transactions at a time (10,000
