@@ -409,9 +409,10 @@ class PartitionRegistry:
         await lg.close(drain_s=drain_s)
         if self.flusher is not None:
             try:  # no node object in flight may still hold its batches when another broker claims it
-                await asyncio.wait_for(self.flusher.settled(lg), drain_s)
-                if await asyncio.wait_for(lg.release_fence(self._hand_over), drain_s):
-                    return  # the owner key went with the fence
+                async with asyncio.timeout(drain_s):  # no task a partition (wait_for's), 10,000 at a stop
+                    await self.flusher.settled(lg)
+                    if await lg.release_fence(self._hand_over):
+                        return  # the owner key went with the fence
             except Exception as exc:  # still ours until our lease expires, or the next owner's claim fences us
                 log.warning("%s/%d: not handed over (%r)", topic, p, exc)
                 return

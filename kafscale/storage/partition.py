@@ -193,7 +193,8 @@ class PartitionLog(LogReader):
         """Stop taking appends; with drain_s, first give queued batches that long
         to become durable. Whatever is left is failed (never acknowledged)."""
         self.closed = True
-        if drain_s > 0 and (self.node is not None or (self._flusher and not self._flusher.done())):
+        flushing = self.node is not None or (self._flusher is not None and not self._flusher.done())
+        if drain_s > 0 and flushing and not self._idle.is_set():  # an idle log makes no task (10,000 at a stop)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), drain_s)
         tasks = [t for t in (self._flusher, *self._flushes) if t is not None]
