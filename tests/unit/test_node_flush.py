@@ -795,6 +795,27 @@ def test_partitions_handed_over_together_share_transactions():
     run(go())
 
 
+def test_a_rebalance_hands_the_misplaced_partitions_over_together():
+    """Partitions another broker should have now are handed over in shared
+    transactions too (one after another, they took one each)."""
+    from kafscale.metadata.store import HANDOVER_BATCH
+
+    async def go():
+        n = Node()
+        reg = await n.topic_registry(300)
+        for p in range(300):
+            await reg.partition_log(TOPIC, p)
+        reg.cluster.desired_owner = lambda _t, p: 2 if p % 2 else 1  # type: ignore[method-assign]
+        before = n.etcd.txns
+        await reg.hand_over_misplaced()
+        assert n.etcd.txns - before <= 1 + -(-150 // HANDOVER_BATCH), n.etcd.txns - before
+        assert {p for _, p in reg.logs} == set(range(0, 300, 2))
+        assert [await n.meta.owner_of(TOPIC, p) for p in range(300)] == [None if p % 2 else 1 for p in range(300)]
+        await reg.close(drain_s=1)
+
+    run(go())
+
+
 def test_partitions_opened_all_at_once_are_claimed_in_batches_a_few_at_a_time(monkeypatch):
     """A first produce to a large topic opens every partition at once; their
     claims go CLAIM_BATCH to a transaction, a few transactions at a time (10,000
