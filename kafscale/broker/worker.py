@@ -37,7 +37,7 @@ from kafscale.config import Config
 from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol import schemas
 from kafscale.protocol.errors import ErrorCode
-from kafscale.protocol.framing import ProduceAnswer, encode_produce_responses
+from kafscale.protocol.framing import FetchPartition, ProduceAnswer, encode_produce_responses, fetch_partitions
 from kafscale.security.acl import AclBinding, Authorizer, Operation, ResourceType
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectStore
@@ -393,37 +393,45 @@ class Worker:
             raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not read {topic}")
 
     async def _fetch_once(self, hdr: RequestContext, req: dict[str, Any]) -> tuple[list[dict[str, Any]], int, bool]:
+        """One pass over the requested partitions. Per partition only what it
+        needs: a consumer of 10,000 partitions sends them all in every Fetch,
+        and most have nothing new (no task, view lookup or read for those; the
+        topic's read permission checked once; the partitions packed, not
+        dicts for the schema's encoder)."""
         budget = req.get("max_bytes", 0x7FFFFFFF)
         total, errors = 0, False
         responses = []
+        by_id = hdr.api_version >= 13
+        views = self.views
         for t in req["topics"]:
-            by_id = hdr.api_version >= 13
-            name = None if by_id else t["topic"]
-            parts = []
+            topic_id = t.get("topic_id") if by_id else None
+            name = self.topic_ids.get(topic_id) if by_id else t["topic"]
+            allowed = None  # the topic whose reads this client may make
+            parts: list[FetchPartition] = []
             for p in t["partitions"]:
-                r = {"partition_index": p["partition"], "error_code": 0, "high_watermark": -1,
-                     "last_stable_offset": -1, "log_start_offset": -1, "aborted_transactions": None,
-                     "preferred_read_replica": -1, "records": b""}
-                parts.append(r)
+                hw = start = -1
                 try:
-                    if name is not None:  # by id: once the view names the topic
+                    if name is not None and allowed != name:  # by name: before anything is opened
                         self._authorize_read(hdr, name)
-                    view = await self._view(name, t.get("topic_id") if by_id else None, p["partition"])
-                    if name is None:
-                        self._authorize_read(hdr, view.topic)
-                    r["high_watermark"] = r["last_stable_offset"] = view.hw
-                    r["log_start_offset"] = view.log_start
-                    # the response's max_bytes holds across partitions: only the first
-                    # partition with data may exceed it (with one batch), as in Kafka
+                        allowed = name
+                    view = views.get((name, p["partition"])) if name is not None else None
+                    if view is None:
+                        view = await self._view(name, topic_id, p["partition"])
+                        if allowed != view.topic:
+                            self._authorize_read(hdr, view.topic)
+                            allowed = view.topic
+                    hw, start = view.hw, view.log_start
+                    chunks = None
+                    # caught up: read would find nothing. Else the response's max_bytes holds across
+                    # partitions: only the first partition with data may exceed it (with one batch), as in Kafka
                     limit = min(p["partition_max_bytes"], budget - total)
-                    if limit > 0 or total == 0:
+                    if (p["fetch_offset"] != hw or view.cursors) and (limit > 0 or total == 0):
                         chunks = await view.read(p["fetch_offset"], max(limit, 1), strict=total > 0)
-                        if chunks:
-                            r["records"] = chunks
-                            total += sum(len(c) for c in chunks)
+                        total += sum(len(c) for c in chunks)
+                    parts.append((p["partition"], 0, hw, start, chunks))
                 except LogError as exc:
-                    r["error_code"] = exc.code
+                    parts.append((p["partition"], exc.code, hw, start, None))
                     errors = True
             responses.append({"topic": t.get("topic", name or ""), "topic_id": t.get("topic_id"),
-                              "partitions": parts})
+                              "partitions": fetch_partitions(parts, hdr.api_version)})
         return responses, total, errors

@@ -60,10 +60,11 @@ STRICT = os.environ.get("KAFSCALE_STRICT_CODEC") == "1"
 class Encoded:
     """An array field's elements encoded already, for the version the message
     is written in: the codec writes their count and their bytes as they are
-    (the partitions of a large topic's Metadata, see topic_api)."""
+    (the partitions of a large topic's Metadata, see topic_api), or their
+    chunks (Writer.finish's), large ones by reference (a Fetch's records)."""
 
     count: int
-    data: bytes
+    data: bytes | list[Any]
 
 
 class DecodeError(ValueError):
@@ -175,7 +176,7 @@ def parse_schema(text: str) -> list[Field]:
 _SMALL = [bytes([n]) for n in range(0x80)]  # the one-byte varints: nearly every length and count
 
 
-def _uvarint(n: int) -> bytes:
+def uvarint(n: int) -> bytes:
     if 0 <= n < 0x80:
         return _SMALL[n]
     out = bytearray()
@@ -332,7 +333,11 @@ class _StructCodec:
                     value = f.default_value(self.version)
                 if isinstance(value, Encoded):
                     self._write_len(w, value.count, True)
-                    w.write(value.data)
+                    if isinstance(value.data, list):
+                        for chunk in value.data:
+                            w.write_big(chunk)
+                    else:
+                        w.write(value.data)
                     return
                 if value is None:
                     if nullable:
@@ -435,15 +440,15 @@ class _StructCodec:
                 sub = Writer()
                 write(sub, value)
                 present.append((f.tag, b"".join(bytes(c) for c in sub.finish())))
-            w.write(_uvarint(len(present)))
+            w.write(uvarint(len(present)))
             for tag, data in present:
-                w.write(_uvarint(tag or 0))
-                w.write(_uvarint(len(data)))
+                w.write(uvarint(tag or 0))
+                w.write(uvarint(len(data)))
                 w.write(data)
 
     def _write_len(self, w: Writer, n: int, wide: bool) -> None:
         if self.flexible:
-            w.write(_uvarint(n + 1))
+            w.write(uvarint(n + 1))
         else:
             w.write((_I32 if wide else _I16).pack(n))
 

@@ -13,13 +13,17 @@ from typing import Any
 from kafscale import _native
 from kafscale.protocol import codec
 from kafscale.protocol.codec import DecodeError, Reader, Writer
-from kafscale.protocol.schemas import API_VERSIONS, APIS, PRODUCE
+from kafscale.protocol.schemas import API_VERSIONS, APIS, FETCH, PRODUCE
 
 _HDR = struct.Struct(">hhi")
 _I32 = struct.Struct(">i")
 # a response's size and correlation id, and in header v1 no tagged fields
 _HEAD = struct.Struct(">ii")
 _HEAD_TAGGED = struct.Struct(">iiB")
+# a Fetch response partition's fields before its records, by version: (the struct, those after the log start
+# offset: the aborted transactions as null, in flexible versions a compact array's, and the preferred read
+# replica, -1, from version 11)
+_FETCH_HEADS: dict[int, tuple[struct.Struct, tuple[int, ...]]] = {}
 MAX_FRAME = 100 * 1024 * 1024  # socket.request.max.bytes in Kafka
 
 
@@ -107,6 +111,39 @@ def encode_produce_responses(answers: list[tuple[int, int, dict[str, Any] | Prod
         for _, version, body in answers:
             PRODUCE.response.codec(version).check_all(body if isinstance(body, dict) else answer_body(body))
     return _native.encode_produce_responses(answers, PRODUCE.response.flexible_min)
+
+
+# a Fetch response partition: (partition, error code, high watermark, log start offset, records chunks)
+FetchPartition = tuple[int, int, int, int, list[Any] | None]
+
+
+def fetch_partitions(parts: list[FetchPartition], version: int) -> codec.Encoded:
+    """A Fetch response's partitions in `version`'s layout (the last stable
+    offset is the high watermark, no aborted transactions, no preferred read
+    replica), each records chunk of 4 KiB and more by reference. A consumer of
+    10,000 partitions asks for all in every Fetch, most with nothing new: as
+    dicts through the schema's encoder they took a fifth of a worker's time."""
+    flexible = version >= FETCH.response.flexible_min
+    if version not in _FETCH_HEADS:
+        fmt = ">ihqq" + ("q" if version >= 5 else "") + ("B" if flexible else "i") + ("i" if version >= 11 else "")
+        _FETCH_HEADS[version] = struct.Struct(fmt), (0 if flexible else -1,) + ((-1,) if version >= 11 else ())
+    head, after = _FETCH_HEADS[version]
+    log_start = version >= 5
+    # no records: an empty compact records field and no tagged fields, or an empty one of 32-bit length
+    empty = b"\x01\x00" if flexible else bytes(4)
+    w = Writer()
+    for p, error, hw, start, records in parts:
+        w.buf += head.pack(p, error, hw, hw, start, *after) if log_start else head.pack(p, error, hw, hw, *after)
+        if not records:
+            w.buf += empty
+            continue
+        size = sum(len(c) for c in records)
+        w.buf += codec.uvarint(size + 1) if flexible else _I32.pack(size)
+        for c in records:
+            w.write_big(c)
+        if flexible:
+            w.buf += b"\x00"
+    return codec.Encoded(len(parts), w.finish())
 
 
 def encode_request(api_key: int, api_version: int, correlation_id: int, body: dict[str, Any],

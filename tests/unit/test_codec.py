@@ -318,3 +318,29 @@ def test_packed_metadata_partitions_are_the_schema_encoding_in_every_version():
                                                                            v).finish())
         assert got == want, f"version {v}"
         assert METADATA.response.decode(memoryview(got), v)[0]["topics"][0]["partitions"][1]["leader_id"] == 7
+
+
+def test_packed_fetch_partitions_are_the_schema_encoding_in_every_version():
+    """framing.fetch_partitions writes exactly what the schema's encoder
+    writes for the same partitions as dicts, in every Fetch version, its
+    large records chunks by reference."""
+    from kafscale.protocol.framing import fetch_partitions
+
+    big = memoryview(bytes(range(256)) * 20)  # 5,120 bytes: kept by reference
+    parts = [(0, 0, 10, 0, None), (1, 0, 2**40, 7, [b"abc"]), (2, 3, -1, -1, None),
+             (2**31 - 1, 0, 0, 0, [big, b"x" * 200, big]), (5, 1, 9, 9, [b"y" * 5000])] * 20
+
+    def body(parts):
+        return {"throttle_time_ms": 0, "error_code": 0, "session_id": 0, "responses": [
+            {"topic": "t", "topic_id": bytes(16), "partitions": parts}]}
+
+    dicts = [{"partition_index": p, "error_code": err, "high_watermark": hw, "last_stable_offset": hw,
+              "log_start_offset": start, "aborted_transactions": None, "preferred_read_replica": -1,
+              "records": records or b""} for p, err, hw, start, records in parts]
+    for v in range(FETCH.min_version, FETCH.max_version + 1):
+        want = b"".join(bytes(c) for c in FETCH.response.generic_encode(body(dicts), v).finish())
+        chunks = FETCH.response.generic_encode(body(fetch_partitions(parts, v)), v).finish()
+        assert b"".join(bytes(c) for c in chunks) == want, f"version {v}"
+        assert sum(c is big for c in chunks) == 40, "records written without copying"
+        decoded = FETCH.response.decode(memoryview(want), v)[0]["responses"][0]["partitions"]
+        assert decoded[3]["records"] == bytes(big) + b"x" * 200 + bytes(big)
