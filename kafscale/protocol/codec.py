@@ -284,6 +284,16 @@ class _StructCodec:
         self._tag_writers = [(f, self._writer(f)) for f in self.tagged]
         self._defaults = [(f.name, value, f if isinstance(value, list | dict) else None)
                           for f in (*self.tagged, *self.absent) for value in (f.default_value(version),)]
+        # every field a fixed-size integer, every default immutable: an array of these (a Fetch's
+        # partitions, 10,000 in every Fetch of a consumer of as many) is read one struct an element
+        # (its last byte, in flexible versions, the count of its tagged fields) while none has a tagged field
+        self.fixed = None
+        if self.regular and all(f.type in _PRIMS for f in self.regular) and all(
+                fresh is None for _, _, fresh in self._defaults):
+            self.fixed = struct.Struct(">" + "".join(_PRIMS[f.type].format[1:] for f in self.regular)
+                                       + ("B" if flexible else ""))
+            self._fixed_names = [f.name for f in self.regular]
+            self._fixed_defaults = {name: value for name, value, _ in self._defaults}
 
     def _reader(self, f: Field) -> Callable[[Reader], Any]:
         """Integers and arrays here; the other types through _read."""
@@ -303,12 +313,19 @@ class _StructCodec:
             element = (self.children[f.name].decode if f.item is None
                        else self._reader(Field(name=f.name, type=f.item)))
 
+            child = self.children[f.name] if f.item is None else None
+            fixed = child if child is not None and child.fixed is not None else None
+
             def array(r: Reader) -> list[Any] | None:
                 n = self._len(r, flex, True)
                 if n < 0:
                     return self._null(f)
                 if n > r.end - r.pos:  # each element takes at least one byte
                     raise DecodeError(f"array {f.name} claims {n} elements")
+                if fixed is not None:
+                    rows = fixed.fixed_rows(r, n)
+                    if rows is not None:
+                        return rows
                 return [element(r) for _ in range(n)]
             return array
         return functools.partial(self._read, f=f)
@@ -364,6 +381,27 @@ class _StructCodec:
                     continue
                 name, read = known
                 out[name] = read(Reader(r.take(size)))
+        return out
+
+    def fixed_rows(self, r: Reader, n: int) -> list[dict[str, Any]] | None:
+        """n elements of this fixed layout (self.fixed) read at once, as decode
+        reads them; None (nothing read) when there are fewer bytes or one has
+        a tagged field: then decode each. Every tag count read as 0 means every
+        element was read at its own position."""
+        assert self.fixed is not None
+        end = r.pos + n * self.fixed.size
+        if end > r.end:
+            return None
+        rows = list(self.fixed.iter_unpack(r.buf[r.pos:end]))
+        if self.flexible and any(row[-1] for row in rows):
+            return None
+        r.pos = end
+        names, defaults = self._fixed_names, self._fixed_defaults
+        out = []
+        for row in rows:
+            d = dict(zip(names, row, strict=False))  # the tag count, in flexible versions, left out
+            d.update(defaults)
+            out.append(d)
         return out
 
     def _len(self, r: Reader, compact: bool, wide: bool) -> int:

@@ -123,6 +123,45 @@ def test_tagged_fields_round_trip_and_unknown_tags_skipped():
     assert msg.decode(memoryview(data), 1)[0]["b"] == "x"
 
 
+def test_arrays_of_fixed_layout_decode_as_element_by_element(monkeypatch):
+    """An array whose elements are all fixed-size integers is read one struct
+    an element; it decodes to what reading each element does, in every Fetch
+    request version, and an element with a tagged field (read wrongly by a
+    fixed layout) sends the whole array the element-by-element way."""
+    from kafscale.protocol import codec
+
+    body = {"replica_id": -1, "max_wait_ms": 500, "min_bytes": 1, "max_bytes": 2**20, "isolation_level": 0,
+            "session_id": 0, "session_epoch": -1, "topics": [{"topic": "t", "topic_id": bytes(16), "partitions": [
+                {"partition": p, "current_leader_epoch": 3, "fetch_offset": 2**40 + p, "last_fetched_epoch": -1,
+                 "log_start_offset": -1, "partition_max_bytes": 2**20} for p in range(300)]}],
+            "forgotten_topics_data": [], "rack_id": ""}
+    msg = Message(parse_schema("""
+    a: [
+      b: int32
+      c: int64 1+
+      d: int8 1+ tag=0 default=5
+    ]
+    """), 1)
+    tagged = bytes.fromhex("04" "00000001" "0000000000000002" "00" "00000003" "0000000000000004" "01" "00" "01" "09"
+                           "00000005" "0000000000000006" "00" "00")
+    requests = [(FETCH.request, v, b"".join(bytes(c) for c in FETCH.request.generic_encode(body, v).finish()))
+                for v in range(FETCH.min_version, FETCH.max_version + 1)] + [(msg, 1, tagged)]
+    real, read_fixed = codec._StructCodec.fixed_rows, []
+
+    def fixed_rows(self, r, n):
+        rows = real(self, r, n)
+        read_fixed.append(rows is not None)
+        return rows
+
+    monkeypatch.setattr(codec._StructCodec, "fixed_rows", fixed_rows)
+    fast = [m.decode(memoryview(data), v) for m, v, data in requests]
+    assert read_fixed == [True] * (len(requests) - 1) + [False]
+    assert fast[-1][0] == {"a": [{"b": 1, "c": 2, "d": 5}, {"b": 3, "c": 4, "d": 9}, {"b": 5, "c": 6, "d": 5}]}
+    monkeypatch.setattr(codec._StructCodec, "fixed_rows", lambda self, r, n: None)
+    assert fast == [m.decode(memoryview(data), v) for m, v, data in requests]
+    assert fast[0][0]["topics"][0]["partitions"][299]["fetch_offset"] == 2**40 + 299
+
+
 @pytest.mark.parametrize("data", [b"", b"\x00\x00\x00", bytes.fromhex("0000000201"), bytes.fromhex("7fffffff")])
 def test_truncated_bodies_raise_decode_error(data):
     with pytest.raises(DecodeError):
