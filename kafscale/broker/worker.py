@@ -44,6 +44,8 @@ from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.reader import LogError, LogReader, ReadBudget
 
 log = logging.getLogger(__name__)
+VIEWS_AT_ONCE = 1000  # partition views a Fetch opens at once (Worker._open_views)
+
 
 def _unanswered(_result: Any) -> None:
     """The reply to an acks=0 produce: nobody waits for it."""
@@ -388,6 +390,17 @@ class Worker:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{name}/{p} moved while it was opened")
         return view
 
+    async def _open_views(self, name: str, topic_id: bytes | None, partitions: list[int]) -> None:
+        """Open the views of a Fetch's partitions of a topic that are not open
+        here yet, VIEWS_AT_ONCE at a time: one after another, a consumer's first
+        Fetch of 10,000 partitions waited for 10,000 round trips to the log
+        process. One that fails is opened again (and tells why) when the Fetch
+        comes to it."""
+        missing = [p for p in partitions if (name, p) not in self.views]
+        for i in range(0, len(missing) if len(missing) > 1 else 0, VIEWS_AT_ONCE):
+            await asyncio.gather(*(self._view(name, topic_id, p) for p in missing[i:i + VIEWS_AT_ONCE]),
+                                 return_exceptions=True)
+
     def _authorize_read(self, hdr: RequestContext, topic: str) -> None:
         if not self.authz.allows(hdr.principal, hdr.client_host, Operation.READ, ResourceType.TOPIC, topic):
             raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not read {topic}")
@@ -407,6 +420,7 @@ class Worker:
             topic_id = t.get("topic_id") if by_id else None
             name = self.topic_ids.get(topic_id) if by_id else t["topic"]
             allowed = None  # the topic whose reads this client may make
+            opened = False  # the views of the topic's partitions not open yet opened together
             parts: list[FetchPartition] = []
             for p in t["partitions"]:
                 hw = start = -1
@@ -414,12 +428,15 @@ class Worker:
                     if name is not None and allowed != name:  # by name: before anything is opened
                         self._authorize_read(hdr, name)
                         allowed = name
+                    if not opened and allowed is not None:
+                        opened = True
+                        await self._open_views(allowed, topic_id, [q["partition"] for q in t["partitions"]])
                     view = views.get((name, p["partition"])) if name is not None else None
                     if view is None:
                         view = await self._view(name, topic_id, p["partition"])
                         if allowed != view.topic:
                             self._authorize_read(hdr, view.topic)
-                            allowed = view.topic
+                            allowed = name = view.topic  # by id: the rest by name
                     hw, start = view.hw, view.log_start
                     chunks = None
                     # caught up: read would find nothing. Else the response's max_bytes holds across
