@@ -13,8 +13,12 @@ etcd transactions it makes meanwhile (etcd's own /metrics). Before the stop,
 METADATA_REQUESTS Metadata requests (v12, one after the other on one
 connection) name a one-partition topic beside the P partitions (their p50
 and p99), then METADATA_OF_P name the P-partition topic itself (their p50),
-each as a ratio to P = 1's. SeaweedFS keeps its objects on a tmpfs
-(/dev/shm), as bench/partitions.py does.
+each as a ratio to P = 1's. Then a consumer (librdkafka) is assigned every
+one of the P partitions from offset 0: the seconds until it has read their
+P records (its first Fetches open a view of every partition in the
+workers), then the cores the workers use over --seconds while it waits for
+more (every Fetch names all P partitions). SeaweedFS keeps its objects on a
+tmpfs (/dev/shm), as bench/partitions.py does.
 
     python -m bench.idle [--partitions 1,1000,10000] [--seconds 30]
 """
@@ -28,6 +32,7 @@ import time
 import uuid
 from pathlib import Path
 
+from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.e2e import CpuMeter, broker_children, compacted_s, pct, stack_dirs, start_broker
@@ -70,12 +75,35 @@ def metadata_latencies(bootstrap: str, topic: str, n: int = METADATA_REQUESTS) -
     return sorted(out)
 
 
+def consumer_cost(bootstrap: str, topic: str, partitions: int, workers: list[int], seconds: float
+                  ) -> tuple[float, float]:
+    """A consumer assigned every partition from offset 0: seconds until it read
+    one record of each, then the workers' cores over `seconds` while it waits."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "idle-bench", "enable.auto.commit": False})
+    try:
+        c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        got, t0 = 0, time.perf_counter()
+        while got < partitions:
+            if time.perf_counter() - t0 > 300:
+                raise RuntimeError(f"the consumer read {got} of {partitions} records in 300 s")
+            got += sum(1 for m in c.consume(min(1000, partitions - got), 1.0) if not m.error())
+        first = time.perf_counter() - t0
+        with CpuMeter({"workers": workers}) as cpu:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                c.consume(1000, 0.5)
+        return first, cpu.cores["workers"]
+    finally:
+        c.close()
+
+
 def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float
-             ) -> tuple[dict[str, float], tuple[list[float], list[float]], float, int]:
+             ) -> tuple[dict[str, float], tuple[list[float], list[float]], tuple[float, float], float, int]:
     """The cores each process of the node and the stores used over `seconds`
-    with P idle open partitions, and the latencies of Metadata requests naming
-    a topic of one partition beside them and naming their topic; then the
-    broker's stop: seconds to exit and etcd transactions."""
+    with P idle open partitions, the latencies of Metadata requests naming
+    a topic of one partition beside them and naming their topic, and what a
+    consumer of the P partitions costs (consumer_cost); then the broker's
+    stop: seconds to exit and etcd transactions."""
     cluster = f"idle{partitions}x{uuid.uuid4().hex[:4]}"
     proc, bootstrap = start_broker(stack, logdir, cluster)
     try:
@@ -91,6 +119,7 @@ def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float
                        "SeaweedFS": [weed]}) as cpu:
             time.sleep(seconds)
         metadata = metadata_latencies(bootstrap, "one"), metadata_latencies(bootstrap, "idle", METADATA_OF_P)
+        consumer = consumer_cost(bootstrap, "idle", partitions, workers, seconds)
     except BaseException:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
@@ -100,7 +129,7 @@ def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float
     if proc.wait(120) != 0:
         raise RuntimeError(f"P = {partitions}: the broker exited with {proc.returncode} (its log: {logdir})")
     stop_s, stop_txns = time.perf_counter() - stopping, int(stack.server_counts()["txns"] - txns)
-    return {k: v for k, v in cpu.cores.items() if k != "bench client"}, metadata, stop_s, stop_txns
+    return {k: v for k, v in cpu.cores.items() if k != "bench client"}, metadata, consumer, stop_s, stop_txns
 
 
 def main() -> None:
@@ -118,16 +147,18 @@ def main() -> None:
     base, (base_one, base_all) = runs[counts[0]][0], runs[counts[0]][1]
     print(f"idle open partitions, CPU cores over {args.seconds:.0f} s once every node object was compacted "
           f"(ratio to P = {counts[0]} in brackets); Metadata of a one-partition topic beside them, p50 and p99 "
-          f"of {METADATA_REQUESTS}, and of the P-partition topic, p50 of {METADATA_OF_P}; then the stop (SIGTERM "
-          f"to exit) and its etcd transactions")
+          f"of {METADATA_REQUESTS}, and of the P-partition topic, p50 of {METADATA_OF_P}; a consumer of the P "
+          f"partitions: seconds to read a record of each, then the workers' cores while it waits; then the stop "
+          f"(SIGTERM to exit) and its etcd transactions")
     print(f"{'P':>7} " + " ".join(f"{name:>20}" for name in base)
-          + f" {'Metadata p50 ms':>18} {'Metadata p99 ms':>18} {'of P topic p50':>18} {'stop s':>8} {'stop txns':>10}")
-    for p, (cores, (one, whole), stop_s, stop_txns) in runs.items():
+          + f" {'Metadata p50 ms':>18} {'Metadata p99 ms':>18} {'of P topic p50':>18} {'consume s':>10}"
+          + f" {'consumer cores':>15} {'stop s':>8} {'stop txns':>10}")
+    for p, (cores, (one, whole), (first, consumer), stop_s, stop_txns) in runs.items():
         print(f"{p:>7} " + " ".join(f"{c:8.3f} ({c / base[name] if base[name] else float('nan'):6.2f})    "
                                      for name, c in cores.items())
               + "".join(f" {pct(md, q) * 1000:9.2f} ({pct(md, q) / pct(md0, q):5.2f})"
                         for md, md0, q in ((one, base_one, 0.5), (one, base_one, 0.99), (whole, base_all, 0.5)))
-              + f" {stop_s:8.1f} {stop_txns:10d}")
+              + f" {first:10.2f} {consumer:15.3f} {stop_s:8.1f} {stop_txns:10d}")
 
 
 if __name__ == "__main__":
