@@ -390,16 +390,20 @@ class Worker:
             raise LogError(ErrorCode.NOT_LEADER_OR_FOLLOWER, f"{name}/{p} moved while it was opened")
         return view
 
-    async def _open_views(self, name: str, topic_id: bytes | None, partitions: list[int]) -> None:
+    async def _open_views(self, name: str, topic_id: bytes | None, partitions: list[int]
+                          ) -> dict[int, BaseException]:
         """Open the views of a Fetch's partitions of a topic that are not open
         here yet, VIEWS_AT_ONCE at a time: one after another, a consumer's first
         Fetch of 10,000 partitions waited for 10,000 round trips to the log
-        process. One that fails is opened again (and tells why) when the Fetch
-        comes to it."""
+        process. Returns why each that could not be opened was refused (the
+        Fetch reports it for that partition without asking again)."""
         missing = [p for p in partitions if (name, p) not in self.views]
-        for i in range(0, len(missing) if len(missing) > 1 else 0, VIEWS_AT_ONCE):
-            await asyncio.gather(*(self._view(name, topic_id, p) for p in missing[i:i + VIEWS_AT_ONCE]),
-                                 return_exceptions=True)
+        refused: dict[int, BaseException] = {}
+        for i in range(0, len(missing), VIEWS_AT_ONCE):
+            some = missing[i:i + VIEWS_AT_ONCE]
+            opened = await asyncio.gather(*(self._view(name, topic_id, p) for p in some), return_exceptions=True)
+            refused.update((p, got) for p, got in zip(some, opened, strict=True) if isinstance(got, BaseException))
+        return refused
 
     def _authorize_read(self, hdr: RequestContext, topic: str) -> None:
         if not self.authz.allows(hdr.principal, hdr.client_host, Operation.READ, ResourceType.TOPIC, topic):
@@ -420,7 +424,7 @@ class Worker:
             topic_id = t.get("topic_id") if by_id else None
             name = self.topic_ids.get(topic_id) if by_id else t["topic"]
             allowed = None  # the topic whose reads this client may make
-            opened = False  # the views of the topic's partitions not open yet opened together
+            refused: dict[int, BaseException] | None = None  # once the missing views were opened together
             parts: list[FetchPartition] = []
             for p in t["partitions"]:
                 hw = start = -1
@@ -428,11 +432,12 @@ class Worker:
                     if name is not None and allowed != name:  # by name: before anything is opened
                         self._authorize_read(hdr, name)
                         allowed = name
-                    if not opened and allowed is not None:
-                        opened = True
-                        await self._open_views(allowed, topic_id, [q["partition"] for q in t["partitions"]])
+                    if refused is None and allowed is not None:
+                        refused = await self._open_views(allowed, topic_id, [q["partition"] for q in t["partitions"]])
                     view = views.get((name, p["partition"])) if name is not None else None
                     if view is None:
+                        if refused is not None and p["partition"] in refused:
+                            raise refused[p["partition"]]
                         view = await self._view(name, topic_id, p["partition"])
                         if allowed != view.topic:
                             self._authorize_read(hdr, view.topic)

@@ -310,10 +310,8 @@ class _StructCodec:
             return prim
         if f.type == "array":
             flex = self.flexible
-            element = (self.children[f.name].decode if f.item is None
-                       else self._reader(Field(name=f.name, type=f.item)))
-
             child = self.children[f.name] if f.item is None else None
+            element = child.decode if child is not None else self._reader(Field(name=f.name, type=f.item))
             fixed = child if child is not None and child.fixed is not None else None
 
             def array(r: Reader) -> list[Any] | None:
