@@ -13,14 +13,18 @@ etcd transactions it makes meanwhile (etcd's own /metrics). Before the stop,
 METADATA_REQUESTS Metadata requests (v12, one after the other on one
 connection) name a one-partition topic beside the P partitions (their p50
 and p99), then METADATA_OF_P name the P-partition topic itself (their p50),
-each as a ratio to P = 1's. Then a consumer (librdkafka) is assigned every
-one of the P partitions from offset 0: the seconds until it has read their
-P records (its first Fetches open a view of every partition in the
-workers), then the cores the workers use over --seconds while it waits for
-more (every Fetch names all P partitions). SeaweedFS keeps its objects on a
-tmpfs (/dev/shm), as bench/partitions.py does.
+each as a ratio to P = 1's. Then a consumer (librdkafka, or kafka-python
+with --consumer) is assigned every one of the P partitions from offset 0:
+the seconds until it has read their P records (its first Fetches open a
+view of every partition in the workers), then the cores the workers use
+over --seconds while it waits for more. librdkafka's every Fetch names all
+P partitions; kafka-python's name only what changed once the broker gave it
+an incremental fetch session (KIP-227; --fetch-session-slots 0: the broker
+gives none, as before they existed). SeaweedFS keeps its objects on a tmpfs
+(/dev/shm), as bench/partitions.py does.
 
-    python -m bench.idle [--partitions 1,1000,10000] [--seconds 30]
+    python -m bench.idle [--partitions 1,1000,10000] [--seconds 30] [--consumer kafka-python]
+                         [--fetch-session-slots 0]
 """
 from __future__ import annotations
 
@@ -75,37 +79,55 @@ def metadata_latencies(bootstrap: str, topic: str, n: int = METADATA_REQUESTS) -
     return sorted(out)
 
 
-def consumer_cost(bootstrap: str, topic: str, partitions: int, workers: list[int], seconds: float
-                  ) -> tuple[float, float]:
+def consumer_cost(bootstrap: str, topic: str, partitions: int, workers: list[int], seconds: float,
+                  client: str = "librdkafka") -> tuple[float, float, float]:
     """A consumer assigned every partition from offset 0: seconds until it read
-    one record of each, then the workers' cores over `seconds` while it waits."""
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "idle-bench", "enable.auto.commit": False})
-    try:
+    one record of each, then the workers' cores and its own over `seconds`
+    while it waits."""
+    if client == "kafka-python":
+        from kafka import KafkaConsumer
+        from kafka import TopicPartition as KafkaTopicPartition
+
+        kc = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                           auto_offset_reset="earliest")
+        kc.assign([KafkaTopicPartition(topic, p) for p in range(partitions)])
+        kc.seek_to_beginning()
+
+        def poll() -> int:
+            return sum(map(len, kc.poll(timeout_ms=500).values()))
+        close = kc.close
+    else:
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": "idle-bench", "enable.auto.commit": False})
         c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+
+        def poll() -> int:
+            return sum(1 for m in c.consume(1000, 0.5) if not m.error())
+        close = c.close
+    try:
         got, t0 = 0, time.perf_counter()
         while got < partitions:
             if time.perf_counter() - t0 > 300:
                 raise RuntimeError(f"the consumer read {got} of {partitions} records in 300 s")
-            got += sum(1 for m in c.consume(min(1000, partitions - got), 1.0) if not m.error())
+            got += poll()
         first = time.perf_counter() - t0
         with CpuMeter({"workers": workers}) as cpu:
             end = time.perf_counter() + seconds
             while time.perf_counter() < end:
-                c.consume(1000, 0.5)
-        return first, cpu.cores["workers"]
+                poll()
+        return first, cpu.cores["workers"], cpu.cores["bench client"]
     finally:
-        c.close()
+        close()
 
 
-def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float
-             ) -> tuple[dict[str, float], tuple[list[float], list[float]], tuple[float, float], float, int]:
+def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float, client: str, **cfg: str
+             ) -> tuple[dict[str, float], tuple[list[float], list[float]], tuple[float, float, float], float, int]:
     """The cores each process of the node and the stores used over `seconds`
     with P idle open partitions, the latencies of Metadata requests naming
     a topic of one partition beside them and naming their topic, and what a
     consumer of the P partitions costs (consumer_cost); then the broker's
     stop: seconds to exit and etcd transactions."""
     cluster = f"idle{partitions}x{uuid.uuid4().hex[:4]}"
-    proc, bootstrap = start_broker(stack, logdir, cluster)
+    proc, bootstrap = start_broker(stack, logdir, cluster, **cfg)
     try:
         admin = AdminClient({"bootstrap.servers": bootstrap})
         for topic, count in (("idle", partitions), ("one", 1)):
@@ -119,7 +141,7 @@ def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float
                        "SeaweedFS": [weed]}) as cpu:
             time.sleep(seconds)
         metadata = metadata_latencies(bootstrap, "one"), metadata_latencies(bootstrap, "idle", METADATA_OF_P)
-        consumer = consumer_cost(bootstrap, "idle", partitions, workers, seconds)
+        consumer = consumer_cost(bootstrap, "idle", partitions, workers, seconds, client)
     except BaseException:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
@@ -136,29 +158,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--partitions", default="1,1000,10000", help="comma-separated partition counts")
     ap.add_argument("--seconds", type=float, default=30, help="how long the idle CPU is measured")
+    ap.add_argument("--consumer", choices=("librdkafka", "kafka-python"), default="librdkafka",
+                    help="the consumer of the P partitions")
+    ap.add_argument("--fetch-session-slots", help="the broker's fetch_session_slots (default: its own)")
     args = ap.parse_args()
+    cfg = {} if args.fetch_session_slots is None else {"fetch_session_slots": args.fetch_session_slots}
     counts = [int(p) for p in args.partitions.split(",")]
     with stack_dirs(False) as (tmp, s3_dir):
         stack = DevStack(data_dir=tmp, volume_mib=1024, s3_dir=s3_dir).start()
         try:
-            runs = {p: idle_run(stack, Path(tmp), p, args.seconds) for p in counts}
+            runs = {p: idle_run(stack, Path(tmp), p, args.seconds, args.consumer, **cfg) for p in counts}
         finally:
             stack.stop()
     base, (base_one, base_all) = runs[counts[0]][0], runs[counts[0]][1]
     print(f"idle open partitions, CPU cores over {args.seconds:.0f} s once every node object was compacted "
           f"(ratio to P = {counts[0]} in brackets); Metadata of a one-partition topic beside them, p50 and p99 "
-          f"of {METADATA_REQUESTS}, and of the P-partition topic, p50 of {METADATA_OF_P}; a consumer of the P "
-          f"partitions: seconds to read a record of each, then the workers' cores while it waits; then the stop "
-          f"(SIGTERM to exit) and its etcd transactions")
+          f"of {METADATA_REQUESTS}, and of the P-partition topic, p50 of {METADATA_OF_P}; a consumer "
+          f"({args.consumer}) of the P partitions: seconds to read a record of each, then the workers' cores "
+          f"and its own while it waits; then the stop (SIGTERM to exit) and its etcd transactions")
     print(f"{'P':>7} " + " ".join(f"{name:>20}" for name in base)
           + f" {'Metadata p50 ms':>18} {'Metadata p99 ms':>18} {'of P topic p50':>18} {'consume s':>10}"
-          + f" {'consumer cores':>15} {'stop s':>8} {'stop txns':>10}")
-    for p, (cores, (one, whole), (first, consumer), stop_s, stop_txns) in runs.items():
+          + f" {'consumer cores':>15} {'client cores':>13} {'stop s':>8} {'stop txns':>10}")
+    for p, (cores, (one, whole), (first, consumer, client), stop_s, stop_txns) in runs.items():
         print(f"{p:>7} " + " ".join(f"{c:8.3f} ({c / base[name] if base[name] else float('nan'):6.2f})    "
                                      for name, c in cores.items())
               + "".join(f" {pct(md, q) * 1000:9.2f} ({pct(md, q) / pct(md0, q):5.2f})"
                         for md, md0, q in ((one, base_one, 0.5), (one, base_one, 0.99), (whole, base_all, 0.5)))
-              + f" {first:10.2f} {consumer:15.3f} {stop_s:8.1f} {stop_txns:10d}")
+              + f" {first:10.2f} {consumer:15.3f} {client:13.3f} {stop_s:8.1f} {stop_txns:10d}")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,9 @@ class Config:
     readahead_bytes: int = _opt(16 * 1024 * 1024, "size of each ranged S3 GET (and read-ahead) for uncached segments")
     readahead_memory_bytes: int = _opt(128 * 1024 * 1024, "S3 read-ahead memory per process, across all the "
                                        "partitions it reads; when short, windows shrink and read-ahead waits")
+    fetch_session_slots: int = _opt(1000, "incremental fetch sessions (KIP-227) each protocol worker keeps, as "
+                                    "Kafka's max.incremental.fetch.session.cache.slots (0: none; a consumer then "
+                                    "names every partition in each Fetch and gets every one back)")
     workers: int = _opt(0, "protocol worker processes (0: one per CPU core)")
     ring_bytes: int = _opt(64 * 1024 * 1024, "shared-memory produce buffer per worker; when full, produce gets "
                            "a retriable error (backpressure)")

@@ -35,6 +35,8 @@ CONNECTION_PAUSED_SECONDS = Histogram(
     "max_in_flight_requests requests read and not yet answered", ["node", "process"], buckets=_REQUEST_BUCKETS)
 PRODUCE_BYTES = Counter("kafscale_produce_bytes", "Record batch bytes accepted by Produce", ["node", "process"])
 FETCH_BYTES = Counter("kafscale_fetch_bytes", "Record batch bytes returned by Fetch", ["node", "process"])
+FETCHES = Counter("kafscale_fetch_requests", "Fetch requests a worker answered, by kind: sessionless, full (beginning "
+                  "an incremental fetch session) or incremental (KIP-227)", ["node", "process", "kind"])
 SEGMENT_READS = Counter("kafscale_segment_reads", "Fetch reads of committed segments, by where they came from",
                         ["node", "source"])
 S3_SECONDS = Histogram("kafscale_s3_request_seconds", "S3 request latency, by operation", ["node", "op"],

@@ -18,6 +18,7 @@ from typing import Any
 from kafscale import _native, metrics
 from kafscale.broker import messages
 from kafscale.broker.context import RequestContext
+from kafscale.broker.fetch_sessions import FetchSessions
 from kafscale.broker.ipc import Channel, ChannelClosed, RemoteError
 from kafscale.broker.server import (
     ON_SENT,
@@ -36,7 +37,7 @@ from kafscale.broker.shm import CacheReader, CacheRef, Ring, SharedArea, ref_pos
 from kafscale.config import Config
 from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol import schemas
-from kafscale.protocol.errors import ErrorCode
+from kafscale.protocol.errors import ErrorCode, KafkaError
 from kafscale.protocol.framing import FetchPartition, ProduceAnswer, encode_produce_responses, fetch_partitions
 from kafscale.security.acl import AclBinding, Authorizer, Operation, ResourceType
 from kafscale.storage.cache import CachedSegment
@@ -175,6 +176,9 @@ class Worker:
         # this process's children of the byte counters (a labels() lookup per request cost 4% of a worker)
         self._produce_bytes = metrics.Tally(metrics.PRODUCE_BYTES.labels(metrics.node(), metrics.process()))
         self._fetch_bytes = metrics.Tally(metrics.FETCH_BYTES.labels(metrics.node(), metrics.process()))
+        self._fetches = {kind: metrics.Tally(metrics.FETCHES.labels(metrics.node(), metrics.process(), kind))
+                         for kind in ("sessionless", "full", "incremental")}
+        self.sessions = FetchSessions(cfg.fetch_session_slots)
         self.handlers = {
             schemas.API_VERSIONS.key: self.api_versions,
             schemas.FETCH.key: self.fetch,
@@ -344,19 +348,35 @@ class Worker:
 
     # ---------------------------------------------------------------- Fetch
     async def fetch(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
+        """Fetch, with or without an incremental fetch session (fetch_sessions.py):
+        an incremental one fetches every partition of its session and answers
+        only those with something new."""
         deadline = time.monotonic() + req["max_wait_ms"] / 1000
+        try:
+            session, topics, incremental = self.sessions.begin(req, hdr.principal, hdr.api_version >= 13)
+        except KafkaError as exc:
+            return {"throttle_time_ms": 0, "error_code": exc.code, "session_id": 0, "responses": []}
+        self._fetches["incremental" if incremental else "full" if session else "sessionless"].inc()
         while True:
             changed = self._changed
-            responses, total, errors = await self._fetch_once(hdr, req)
+            fetched, total, errors = await self._fetch_once(hdr, topics, req.get("max_bytes", 0x7FFFFFFF))
             remaining = deadline - time.monotonic()
             if total >= req["min_bytes"] or errors or remaining <= 0:
-                self._fetch_bytes.inc(total)
-                return {"throttle_time_ms": 0, "error_code": 0, "session_id": 0, "responses": responses}
+                break
             run_on_sent(ON_SENT.get())  # nothing worth sending yet: let the cache reuse what we looked at
             try:
                 await asyncio.wait_for(changed.wait(), remaining)
             except TimeoutError:
                 pass
+        self._fetch_bytes.inc(total)
+        responses = []
+        for t, name, parts in fetched:
+            if session is not None and not (parts := session.answered(t, parts, incremental)):
+                continue
+            responses.append({"topic": t.get("topic", name or ""), "topic_id": t.get("topic_id"),
+                              "partitions": fetch_partitions(parts, hdr.api_version)})
+        return {"throttle_time_ms": 0, "error_code": 0, "session_id": session.id if session else 0,
+                "responses": responses}
 
     async def _view(self, name: str | None, topic_id: bytes | None, p: int) -> PartitionView:
         if name is None and topic_id is not None:
@@ -409,18 +429,18 @@ class Worker:
         if not self.authz.allows(hdr.principal, hdr.client_host, Operation.READ, ResourceType.TOPIC, topic):
             raise LogError(ErrorCode.TOPIC_AUTHORIZATION_FAILED, f"{hdr.principal} may not read {topic}")
 
-    async def _fetch_once(self, hdr: RequestContext, req: dict[str, Any]) -> tuple[list[dict[str, Any]], int, bool]:
+    async def _fetch_once(self, hdr: RequestContext, topics: list[dict[str, Any]], budget: int
+                          ) -> tuple[list[tuple[dict[str, Any], str | None, list[FetchPartition]]], int, bool]:
         """One pass over the requested partitions. Per partition only what it
         needs: a consumer of 10,000 partitions sends them all in every Fetch,
         and most have nothing new (no task, view lookup or read for those; the
         topic's read permission checked once; the partitions packed, not
         dicts for the schema's encoder)."""
-        budget = req.get("max_bytes", 0x7FFFFFFF)
         total, errors = 0, False
-        responses = []
+        fetched = []
         by_id = hdr.api_version >= 13
         views = self.views
-        for t in req["topics"]:
+        for t in topics:
             topic_id = t.get("topic_id") if by_id else None
             name = self.topic_ids.get(topic_id) if by_id else t["topic"]
             allowed = None  # the topic whose reads this client may make
@@ -454,6 +474,5 @@ class Worker:
                 except LogError as exc:
                     parts.append((p["partition"], exc.code, hw, start, None))
                     errors = True
-            responses.append({"topic": t.get("topic", name or ""), "topic_id": t.get("topic_id"),
-                              "partitions": fetch_partitions(parts, hdr.api_version)})
-        return responses, total, errors
+            fetched.append((t, name, parts))
+        return fetched, total, errors

@@ -223,6 +223,8 @@ class Proxy:
                 share = by_broker.setdefault(self._owner(name, p[spec.part_key]), {})
                 share.setdefault(id(t), {**t, spec.parts: []})[spec.parts].append(p)
         expect_reply = not (hdr.api_key == schemas.PRODUCE.key and req["acks"] == 0)
+        if hdr.api_key == schemas.FETCH.key:  # no fetch sessions through the proxy: each broker sees a share
+            req = {**req, "session_id": 0, "session_epoch": -1, "forgotten_topics_data": []}
         sub = {b: {**req, spec.topics: list(ts.values())} for b, ts in by_broker.items()}
         results = await asyncio.gather(*(self._send(b, hdr, body, expect_reply) for b, body in sub.items()),
                                        return_exceptions=True)
