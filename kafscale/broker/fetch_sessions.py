@@ -33,10 +33,37 @@ INITIAL_EPOCH, FINAL_EPOCH = 0, -1
 EVICT_IDLE_S = 120.0
 
 Key = str | bytes  # a topic's name, or its id from Fetch v13 on
+CHANGES_KEPT = 100_000  # views' changes a worker keeps for its sessions (one further behind passes over everything)
+
+
+class ChangeLog:
+    """The partitions (topic name, partition) whose views changed in a worker,
+    in order: an incremental Fetch looks at its session's partitions that
+    changed since its last pass, not at every one."""
+
+    def __init__(self, kept: int = CHANGES_KEPT) -> None:
+        self.kept = kept
+        self.start = 0  # the position of items[0]
+        self.items: list[tuple[str, int]] = []
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.items)
+
+    def add(self, topic: str, partition: int) -> None:
+        self.items.append((topic, partition))
+        if len(self.items) > 2 * self.kept:
+            del self.items[:self.kept]
+            self.start += self.kept
+
+    def since(self, position: int) -> list[tuple[str, int]] | None:
+        """The changes from `position` on; None once some of them are forgotten."""
+        return None if position < self.start else self.items[position - self.start:]
 
 
 class FetchSession:
-    __slots__ = ("by_id", "epoch", "id", "principal", "sent", "topics", "used")
+    __slots__ = ("active", "by_id", "epoch", "id", "names", "principal", "rank", "ranked", "seen", "sent", "topics",
+                 "used")
 
     def __init__(self, session_id: int, principal: str, by_id: bool) -> None:
         self.id = session_id
@@ -47,6 +74,13 @@ class FetchSession:
         self.topics: dict[Key, dict[int, dict[str, Any]]] = {}
         self.sent: dict[tuple[Key, int], tuple[int, int]] = {}  # high watermark and log start last answered
         self.used = time.monotonic()
+        # what the next incremental pass fetches besides the partitions whose views changed: those named by
+        # the Fetch, answered with an error or with records, or not caught up (behind their high watermark)
+        self.active: set[tuple[Key, int]] = set()
+        self.seen = -1  # the worker's ChangeLog position at the last pass (-1: none yet, pass over everything)
+        self.names: dict[str, Key] = {}  # topic name -> key, as the passes resolved them
+        self.rank: dict[tuple[Key, int], int] = {}  # fetch order
+        self.ranked = 0  # ranks given
 
     def key(self, topic: dict[str, Any]) -> Key:
         return topic["topic_id"] if self.by_id else topic["topic"]
@@ -54,50 +88,70 @@ class FetchSession:
     def update(self, topics: list[dict[str, Any]], forgotten: list[dict[str, Any]]) -> None:
         """Add or change the partitions a Fetch names, then drop those it forgets."""
         for t in topics:
-            parts = self.topics.setdefault(self.key(t), {})
+            key = self.key(t)
+            parts = self.topics.setdefault(key, {})
             for p in t["partitions"]:
                 parts[p["partition"]] = p
+                self.active.add((key, p["partition"]))
+                if (key, p["partition"]) not in self.rank:
+                    self.rank[(key, p["partition"])] = self.ranked
+                    self.ranked += 1
         for t in forgotten:
             key = self.key(t)
             parts = self.topics.get(key, {})
             for p in t["partitions"]:
                 parts.pop(p, None)
-                self.sent.pop((key, p), None)
+                for kept in (self.sent, self.rank):
+                    kept.pop((key, p), None)
+                self.active.discard((key, p))
             if not parts:
                 self.topics.pop(key, None)
 
-    def fetch_topics(self) -> list[dict[str, Any]]:
-        """Every partition of the session, in a Fetch request's shape."""
+    def due(self, changes: ChangeLog) -> list[dict[str, Any]]:
+        """The partitions an incremental pass fetches, in fetch order: the
+        active ones and those whose views changed since the last pass."""
+        new = changes.since(self.seen)
+        self.seen = changes.end
+        if new is None:
+            self.active.update(self.rank)
+        else:
+            for name, p in new:
+                key = self.names.get(name)
+                if key is not None and p in self.topics.get(key, ()):
+                    self.active.add((key, p))
         field = "topic_id" if self.by_id else "topic"
-        return [{field: key, "partitions": list(parts.values())} for key, parts in self.topics.items()]
+        grouped: dict[Key, list[dict[str, Any]]] = {}
+        for key, p in sorted(self.active, key=self.rank.__getitem__):
+            grouped.setdefault(key, []).append(self.topics[key][p])
+        return [{field: key, "partitions": parts} for key, parts in grouped.items()]
 
-    def answered(self, topic: dict[str, Any], parts: list[FetchPartition], incremental: bool
+    def answered(self, topic: dict[str, Any], name: str | None, parts: list[FetchPartition], incremental: bool
                  ) -> list[FetchPartition]:
         """What of a topic's fetched partitions the answer holds (in an
         incremental one only those with something new), remembering what was
-        answered. A partition that returned records moves to the end of the
-        fetch order, so that under max_bytes the others get their turn (as
-        Kafka does)."""
+        answered and which stay active. A partition that returned records
+        moves to the end of the fetch order, so that under max_bytes the
+        others get their turn (as Kafka does)."""
         key = self.key(topic)
-        sent = self.sent
+        if name is not None:
+            self.names[name] = key
+        sent, active, asked = self.sent, self.active, self.topics.get(key, {})
         kept = []
-        moved = []
         for part in parts:
             p, error, hw, start, records = part
-            last = sent.get((key, p))
-            if not incremental or error or records or last != (hw, start):
+            if not incremental or error or records or sent.get((key, p)) != (hw, start):
                 kept.append(part)
                 if error:  # answered again once it clears, whatever its offsets then
                     sent.pop((key, p), None)
                 else:
                     sent[(key, p)] = (hw, start)
-            if records:
-                moved.append(p)
-        if moved and (order := self.topics.get(key)) is not None:
-            for p in moved:
-                if p in order:
-                    order[p] = order.pop(p)
-            self.topics[key] = self.topics.pop(key)
+            if error or records or (p in asked and asked[p]["fetch_offset"] != hw):
+                active.add((key, p))
+            else:
+                active.discard((key, p))
+            if records and (key, p) in self.rank:
+                self.rank[(key, p)] = self.ranked
+                self.ranked += 1
         return kept
 
 
@@ -112,7 +166,8 @@ class FetchSessions:
     def begin(self, req: dict[str, Any], principal: str, by_id: bool
               ) -> tuple[FetchSession | None, list[dict[str, Any]], bool]:
         """The session a Fetch uses (None: answered without one), the topics
-        and partitions it fetches, and whether it is incremental. A full
+        and partitions a full Fetch fetches (an incremental one asks the
+        session's `due` at each pass), and whether it is incremental. A full
         Fetch (epoch 0 or -1) ends the session it names; epoch 0 asks for a
         new one. Raises KafkaError for an incremental Fetch of an unknown
         session or out of turn (the client then starts over)."""
@@ -138,7 +193,7 @@ class FetchSessions:
         session.epoch = 1 if session.epoch == 0x7FFFFFFF else session.epoch + 1
         session.used = time.monotonic()
         self._sessions.move_to_end(session_id)
-        return session, session.fetch_topics(), True
+        return session, [], True
 
     def _new(self, principal: str, by_id: bool) -> FetchSession | None:
         if len(self._sessions) >= self.slots:

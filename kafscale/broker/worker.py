@@ -18,7 +18,7 @@ from typing import Any
 from kafscale import _native, metrics
 from kafscale.broker import messages
 from kafscale.broker.context import RequestContext
-from kafscale.broker.fetch_sessions import FetchSessions
+from kafscale.broker.fetch_sessions import ChangeLog, FetchSessions
 from kafscale.broker.ipc import Channel, ChannelClosed, RemoteError
 from kafscale.broker.server import (
     ON_SENT,
@@ -179,6 +179,7 @@ class Worker:
         self._fetches = {kind: metrics.Tally(metrics.FETCHES.labels(metrics.node(), metrics.process(), kind))
                          for kind in ("sessionless", "full", "incremental")}
         self.sessions = FetchSessions(cfg.fetch_session_slots)
+        self.changes = ChangeLog()  # which views changed, for the sessions' incremental passes
         self.handlers = {
             schemas.API_VERSIONS.key: self.api_versions,
             schemas.FETCH.key: self.fetch,
@@ -226,6 +227,7 @@ class Worker:
             self._set_acls(event.acls)
             return
         for ev in event:
+            self.changes.add(ev.topic, ev.partition)
             view = self.views.get((ev.topic, ev.partition))
             if view is not None:
                 self._apply(view, ev)
@@ -349,8 +351,10 @@ class Worker:
     # ---------------------------------------------------------------- Fetch
     async def fetch(self, hdr: RequestContext, req: dict[str, Any]) -> dict[str, Any]:
         """Fetch, with or without an incremental fetch session (fetch_sessions.py):
-        an incremental one fetches every partition of its session and answers
-        only those with something new."""
+        an incremental one fetches the partitions of its session it names, those
+        whose views changed since its last pass and those still active (behind,
+        or answered with an error or records), and answers only those with
+        something new."""
         deadline = time.monotonic() + req["max_wait_ms"] / 1000
         try:
             session, topics, incremental = self.sessions.begin(req, hdr.principal, hdr.api_version >= 13)
@@ -359,6 +363,10 @@ class Worker:
         self._fetches["incremental" if incremental else "full" if session else "sessionless"].inc()
         while True:
             changed = self._changed
+            if session is not None and incremental:
+                topics = session.due(self.changes)
+            elif session is not None:
+                session.seen = self.changes.end
             fetched, total, errors = await self._fetch_once(hdr, topics, req.get("max_bytes", 0x7FFFFFFF))
             remaining = deadline - time.monotonic()
             if total >= req["min_bytes"] or errors or remaining <= 0:
@@ -371,7 +379,7 @@ class Worker:
         self._fetch_bytes.inc(total)
         responses = []
         for t, name, parts in fetched:
-            if session is not None and not (parts := session.answered(t, parts, incremental)):
+            if session is not None and not (parts := session.answered(t, name, parts, incremental)):
                 continue
             responses.append({"topic": t.get("topic", name or ""), "topic_id": t.get("topic_id"),
                               "partitions": fetch_partitions(parts, hdr.api_version)})

@@ -133,7 +133,7 @@ def test_kafka_python_consumes_many_partitions_through_a_session(make_broker, to
 
     def counted() -> bool:  # the workers' counters reach the metrics files within 0.1 s
         kinds.update(fetch_kinds(b))
-        return kinds["incremental" if slots else "sessionless"] > 1
+        return kinds["incremental" if slots else "sessionless"] > 0
 
     wait_for(counted, 10, "the Fetch requests counted")
     if slots:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kafscale.broker import fetch_sessions
-from kafscale.broker.fetch_sessions import FetchSessions
+from kafscale.broker.fetch_sessions import ChangeLog, FetchSessions
 from kafscale.protocol.errors import ErrorCode, KafkaError
 
 USER = "User:ANONYMOUS"
@@ -42,10 +42,42 @@ def test_an_incremental_fetch_fetches_the_whole_session_with_the_changes_it_name
     assert session is not None
     got, topics, incremental = s.begin(request(session.id, 1, {"a": [(1, 3)], "c": [(2, 0)]}, {"b": [0]}), USER,
                                        False)
-    assert got is session and incremental
-    assert fetched(topics) == {"a": {0: 0, 1: 3}, "c": {2: 0}}
-    _, topics, _ = s.begin(request(session.id, 2, {}), USER, False)
-    assert fetched(topics) == {"a": {0: 0, 1: 3}, "c": {2: 0}}
+    assert got is session and incremental and topics == []
+    assert fetched(session.due(ChangeLog())) == {"a": {0: 0, 1: 3}, "c": {2: 0}}, "no pass yet: all of it"
+
+
+def test_an_incremental_pass_fetches_what_was_named_changed_or_is_still_active():
+    changes, s = ChangeLog(), FetchSessions(10)
+    session, topics, _ = s.begin(request(0, 0, {"a": [(0, 0), (1, 0), (2, 0), (3, 0)]}), USER, False)
+    session.seen = changes.end
+    # 1 is behind its high watermark (not read: max_bytes ran out), 3 had an error
+    session.answered(topics[0], "a", [(0, 0, 0, 0, None), (1, 0, 5, 0, None), (2, 0, 0, 0, None),
+                                      (3, 6, -1, -1, None)], incremental=False)
+    s.begin(request(session.id, 1, {}), USER, False)
+    assert fetched(session.due(changes)) == {"a": {1: 0, 3: 0}}
+    changes.add("a", 2)
+    changes.add("b", 0)  # not the session's
+    s.begin(request(session.id, 2, {"a": [(0, 0)]}), USER, False)
+    due = session.due(changes)
+    assert fetched(due) == {"a": {0: 0, 1: 0, 2: 0, 3: 0}}
+    session.answered(due[0], "a", [(0, 0, 0, 0, None), (1, 0, 5, 0, [b"r"]), (2, 0, 1, 0, [b"r"]),
+                                   (3, 0, 0, 0, None)], incremental=True)
+    s.begin(request(session.id, 3, {"a": [(1, 5), (2, 1)]}), USER, False)  # both read up to their end
+    assert [p["partition"] for p in session.due(changes)[0]["partitions"]] == [1, 2], "records: fetched again"
+    session.answered(due[0], "a", [(1, 0, 5, 0, None), (2, 0, 1, 0, None)], incremental=True)
+    s.begin(request(session.id, 4, {}), USER, False)
+    assert session.due(changes) == [], "caught up and unchanged: nothing to fetch"
+
+
+def test_a_session_further_behind_than_the_change_log_keeps_fetches_everything():
+    changes, s = ChangeLog(kept=2), FetchSessions(10)
+    session, topics, _ = s.begin(request(0, 0, {"a": [(0, 0), (1, 0)]}), USER, False)
+    session.seen = changes.end
+    session.answered(topics[0], "a", [(0, 0, 0, 0, None), (1, 0, 0, 0, None)], incremental=False)
+    for _ in range(5):
+        changes.add("x", 0)
+    s.begin(request(session.id, 1, {}), USER, False)
+    assert fetched(session.due(changes)) == {"a": {0: 0, 1: 0}}
 
 
 def test_out_of_turn_unknown_and_foreign_sessions_are_refused_with_kafkas_codes():
@@ -93,23 +125,22 @@ def test_an_incremental_answer_holds_only_partitions_with_something_new():
     session, topics, _ = s.begin(request(0, 0, {"a": [(0, 0), (1, 0), (2, 0)]}), USER, False)
     t = topics[0]
     full = [(0, 0, 5, 0, [b"r"]), (1, 0, 0, 0, None), (2, 0, 3, 0, [b"r"])]
-    assert session.answered(t, full, incremental=False) == full, "a full answer holds every partition"
-    _, topics, _ = s.begin(request(session.id, 1, {"a": [(0, 5), (2, 3)]}), USER, False)
-    t = topics[0]
-    assert session.answered(t, [(0, 0, 5, 0, None), (1, 0, 0, 0, None), (2, 0, 3, 0, None)], True) == []
+    assert session.answered(t, "a", full, incremental=False) == full, "a full answer holds every partition"
+    s.begin(request(session.id, 1, {"a": [(0, 5), (2, 3)]}), USER, False)
+    assert session.answered(t, "a", [(0, 0, 5, 0, None), (1, 0, 0, 0, None), (2, 0, 3, 0, None)], True) == []
     parts = [(0, 0, 6, 0, None), (1, 6, -1, -1, None), (2, 0, 3, 1, None)]  # hw moved, an error, log start moved
-    assert session.answered(t, parts, True) == parts
-    assert session.answered(t, [(0, 0, 6, 0, None), (1, 0, 0, 0, None), (2, 0, 3, 1, None)], True) == [
+    assert session.answered(t, "a", parts, True) == parts
+    assert session.answered(t, "a", [(0, 0, 6, 0, None), (1, 0, 0, 0, None), (2, 0, 3, 1, None)], True) == [
         (1, 0, 0, 0, None)], "a partition whose error cleared is answered again"
 
 
 def test_partitions_that_returned_records_move_to_the_end_of_the_fetch_order():
     s = FetchSessions(10)
     session, topics, _ = s.begin(request(0, 0, {"a": [(0, 0), (1, 0), (2, 0)], "b": [(0, 0)]}), USER, False)
-    session.answered(topics[0], [(0, 0, 1, 0, [b"r"]), (1, 0, 0, 0, None), (2, 0, 0, 0, None)], False)
-    _, topics, _ = s.begin(request(session.id, 1, {}), USER, False)
-    assert [(t["topic"], [p["partition"] for p in t["partitions"]]) for t in topics] == [
-        ("b", [0]), ("a", [1, 2, 0])]
+    session.answered(topics[0], "a", [(0, 0, 1, 0, [b"r"]), (1, 0, 0, 0, None), (2, 0, 0, 0, None)], False)
+    s.begin(request(session.id, 1, {}), USER, False)
+    assert [(t["topic"], [p["partition"] for p in t["partitions"]]) for t in session.due(ChangeLog())] == [
+        ("a", [1, 2, 0]), ("b", [0])]
 
 
 def test_a_session_by_topic_id_keys_its_partitions_by_id():
@@ -120,8 +151,8 @@ def test_a_session_by_topic_id_keys_its_partitions_by_id():
     session, _, _ = s.begin(req, USER, True)
     req = {"session_id": session.id, "session_epoch": 1, "topics": [],
            "forgotten_topics_data": [{"topic_id": tid, "partitions": [1]}]}
-    _, topics, _ = s.begin(req, USER, True)
-    assert topics == [{"topic_id": tid, "partitions": [part(0, 0)]}]
+    s.begin(req, USER, True)
+    assert session.due(ChangeLog()) == [{"topic_id": tid, "partitions": [part(0, 0)]}]
 
 
 def test_a_full_cache_replaces_only_sessions_idle_long_enough(monkeypatch):
