@@ -33,7 +33,7 @@ INITIAL_EPOCH, FINAL_EPOCH = 0, -1
 EVICT_IDLE_S = 120.0
 
 Key = str | bytes  # a topic's name, or its id from Fetch v13 on
-CHANGES_KEPT = 100_000  # views' changes a worker keeps for its sessions (one further behind passes over everything)
+CHANGES_KEPT = 10_000  # views' changes a worker keeps for its sessions (one further behind passes over everything)
 
 
 class ChangeLog:
@@ -162,6 +162,12 @@ class FetchSessions:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def revisit(self) -> None:
+        """Every session's next pass goes over all its partitions (the ACLs
+        changed: a partition it may no longer read gets its error)."""
+        for session in self._sessions.values():
+            session.seen = -1
 
     def begin(self, req: dict[str, Any], principal: str, by_id: bool
               ) -> tuple[FetchSession | None, list[dict[str, Any]], bool]:

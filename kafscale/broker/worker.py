@@ -225,9 +225,12 @@ class Worker:
     def _on_event(self, event: messages.AclsChanged | list[messages.PartitionChanged]) -> None:
         if isinstance(event, messages.AclsChanged):
             self._set_acls(event.acls)
+            self.sessions.revisit()
             return
+        logged = len(self.sessions) > 0  # a session's first pass begins at the log's end: nothing before matters
         for ev in event:
-            self.changes.add(ev.topic, ev.partition)
+            if logged:
+                self.changes.add(ev.topic, ev.partition)
             view = self.views.get((ev.topic, ev.partition))
             if view is not None:
                 self._apply(view, ev)

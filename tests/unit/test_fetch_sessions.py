@@ -69,7 +69,7 @@ def test_an_incremental_pass_fetches_what_was_named_changed_or_is_still_active()
     assert session.due(changes) == [], "caught up and unchanged: nothing to fetch"
 
 
-def test_a_session_further_behind_than_the_change_log_keeps_fetches_everything():
+def test_a_session_behind_the_change_log_or_after_an_acl_change_fetches_everything():
     changes, s = ChangeLog(kept=2), FetchSessions(10)
     session, topics, _ = s.begin(request(0, 0, {"a": [(0, 0), (1, 0)]}), USER, False)
     session.seen = changes.end
@@ -77,6 +77,12 @@ def test_a_session_further_behind_than_the_change_log_keeps_fetches_everything()
     for _ in range(5):
         changes.add("x", 0)
     s.begin(request(session.id, 1, {}), USER, False)
+    assert fetched(session.due(changes)) == {"a": {0: 0, 1: 0}}
+    session.answered(topics[0], "a", [(0, 0, 0, 0, None), (1, 0, 0, 0, None)], incremental=True)
+    s.begin(request(session.id, 2, {}), USER, False)
+    assert session.due(changes) == []
+    s.revisit()  # the ACLs changed
+    s.begin(request(session.id, 3, {}), USER, False)
     assert fetched(session.due(changes)) == {"a": {0: 0, 1: 0}}
 
 
