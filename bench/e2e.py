@@ -171,6 +171,19 @@ class CpuMeter:
         return f"{parts} (total {sum(self.cores.values()):.2f})"
 
 
+def stop_broker(proc: subprocess.Popen, timeout_s: float = 60) -> int:
+    """SIGTERM, then the broker's exit status. One still running after
+    timeout_s is killed (its children die with it) and TimeoutExpired
+    raised: a bench never leaves a broker using the machine's CPU."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
 def start_broker(stack: DevStack, logdir: Path, cluster: str, **cfg: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, **stack.broker_env(), KAFSCALE_LISTEN=f"127.0.0.1:{port}",
@@ -205,8 +218,7 @@ def ready_broker(stack: DevStack, logdir: Path, cluster: str, topics: tuple[str,
             admin.create_topics([NewTopic(t, partitions, 1)])[t].result(30)
         produce(bootstrap, "warmup", partitions, 1024, 64 << 20)
     except BaseException:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        stop_broker(proc)
         raise
     return proc, bootstrap
 
@@ -406,8 +418,7 @@ def latency_only(args: argparse.Namespace, linger_ms: int) -> None:
                     produce(bootstrap, "bench1k", args.partitions, 1024, args.mib << 20)
                 lat, lat_busy, settle_s, sync_s = compacting_then_settled(stack, cluster, bootstrap)
             finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(60)
+                stop_broker(proc)
         finally:
             stack.stop()
     print(f"acks=all latency, single 1 KiB records, fresh broker: p50 {pct(fresh, 0.5) * 1000:.1f} ms  p99 "
@@ -473,8 +484,7 @@ def main() -> None:
                                 flat_mbps = produce_1k(flat_bootstrap)
                             rounds.append((raw, node_mbps, cpu, flat_mbps, flat_cpu))
                     finally:
-                        flat.send_signal(signal.SIGTERM)
-                        flat.wait(60)
+                        stop_broker(flat)
                     raw, mbps, *_ = sorted(rounds, key=lambda r: r[1] / r[0])[len(rounds) // 2]
                     produced[workers] = mbps
                     secs100, n100 = produce(bootstrap, "bench100", args.partitions, 100, min(args.mib, 64) << 20)
@@ -484,8 +494,7 @@ def main() -> None:
                         with node_cpu(weed, proc.pid) as cpu:
                             cached[name] = consume(bootstrap), cpu
                 finally:
-                    proc.send_signal(signal.SIGTERM)
-                    proc.wait(60)
+                    stop_broker(proc)
                 for _, (name, consume) in itertools.product(range(args.rounds), readers.items()
                                                              if workers == args.workers else ()):
                     with CpuMeter({"SeaweedFS": [weed]}) as get_cpu:
@@ -497,8 +506,7 @@ def main() -> None:
                             cold.setdefault(name, []).append((consume(bootstrap), get, cpu, get_cpu))
                         peak_rss = broker_peak_rss(proc.pid)
                     finally:
-                        proc.send_signal(signal.SIGTERM)
-                        proc.wait(60)
+                        stop_broker(proc)
         finally:
             stack.stop()
     put_p99 = pct(put_lat, 0.99)

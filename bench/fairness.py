@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import multiprocessing as mp
-import signal
 import time
 import uuid
 from pathlib import Path
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from bench.e2e import latencies, pct, stack_dirs, start_broker
+from bench.e2e import latencies, pct, stack_dirs, start_broker, stop_broker
 from bench.partitions import BROKER_HISTOGRAMS, histogram_buckets, offer, open_all, reference_ms, stage_ms, stages_text
 from kafscale.devstack import DevStack, free_port
 
@@ -75,8 +74,7 @@ def one_cap(stack: DevStack, logdir: Path, cap: int, partitions: int, rate: int,
         finally:
             flood.join(60)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
+        stop_broker(proc, 120)
     a99, f99 = pct(alone, 0.99), pct(flooded, 0.99)
     return (f"cap {cap:>6}: probe alone p50 {pct(alone, 0.5) * 1000:6.1f} ms p99 {a99 * 1000:6.1f} ms; "
             f"under the flood p50 {pct(flooded, 0.5) * 1000:6.1f} ms p99 {f99 * 1000:7.1f} ms ({f99 / a99:5.2f}x); "

@@ -29,7 +29,6 @@ gives none, as before they existed). SeaweedFS keeps its objects on a tmpfs
 from __future__ import annotations
 
 import argparse
-import signal
 import socket
 import struct
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from bench.e2e import CpuMeter, broker_children, compacted_s, pct, stack_dirs, start_broker
+from bench.e2e import CpuMeter, broker_children, compacted_s, pct, stack_dirs, start_broker, stop_broker
 from bench.partitions import open_all
 from kafscale.devstack import DevStack
 from kafscale.protocol.framing import decode_response, encode_request
@@ -143,12 +142,10 @@ def idle_run(stack: DevStack, logdir: Path, partitions: int, seconds: float, cli
         metadata = metadata_latencies(bootstrap, "one"), metadata_latencies(bootstrap, "idle", METADATA_OF_P)
         consumer = consumer_cost(bootstrap, "idle", partitions, workers, seconds, client)
     except BaseException:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
+        stop_broker(proc, 120)
         raise
     txns, stopping = stack.server_counts()["txns"], time.perf_counter()
-    proc.send_signal(signal.SIGTERM)
-    if proc.wait(120) != 0:
+    if stop_broker(proc, 120) != 0:
         raise RuntimeError(f"P = {partitions}: the broker exited with {proc.returncode} (its log: {logdir})")
     stop_s, stop_txns = time.perf_counter() - stopping, int(stack.server_counts()["txns"] - txns)
     return {k: v for k, v in cpu.cores.items() if k != "bench client"}, metadata, consumer, stop_s, stop_txns

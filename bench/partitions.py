@@ -93,7 +93,6 @@ import itertools
 import multiprocessing
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -110,7 +109,17 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.e2e import CpuMeter, broker_children, compacted_s, dev_store, pct, put_latencies, stack_dirs, start_broker
+from bench.e2e import (
+    CpuMeter,
+    broker_children,
+    compacted_s,
+    dev_store,
+    pct,
+    put_latencies,
+    stack_dirs,
+    start_broker,
+    stop_broker,
+)
 from kafscale.devstack import DevStack, free_port
 from kafscale.metadata.etcd_client import EtcdClient
 
@@ -587,8 +596,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
         rewrote = {k: v - compacted_before[k] for k, v in compacted_bytes(broker_url).items()}
         peak = rss_kib(log_process, "VmHWM") / 1024
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
+        stop_broker(proc, 120)
     return Run(mode, rnd, partitions, rate, offered, acked, failed, secs, end["puts"] - start["puts"] - len(probe.puts),
                end["gets"] - start["gets"], end["txns"] - start["txns"] - len(probe.txns), end["keys"] - start["keys"],
                (start["db"] / (1 << 20), end["db"] / (1 << 20)),

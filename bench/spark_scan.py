@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import io
 import os
-import signal
 import tempfile
 import time
 import uuid
@@ -29,7 +28,7 @@ from pathlib import Path
 import boto3
 import pyarrow as pa
 from confluent_kafka.admin import AdminClient, NewTopic
-from e2e import produce, start_broker
+from e2e import produce, start_broker, stop_broker
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
@@ -102,8 +101,7 @@ def main() -> None:
                 admin.create_topics([NewTopic("scan", args.partitions, 1)])["scan"].result(30)
                 produce(bootstrap, "scan", args.partitions, 1024, args.mib << 20)
             finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(60)
+                stop_broker(proc)
             opts = StoreOptions(stack.bucket, cluster, stack.s3_endpoint, "us-east-1", DEV_ACCESS_KEY, DEV_SECRET_KEY,
                                 stack.etcd_endpoint, cluster)
             segments = sum(len(s) for s, _, _ in asyncio.run(list_segments(opts, "scan")).values())
