@@ -17,7 +17,13 @@ FETCH_SESSION_ID_NOT_FOUND and starts a new session, as it would after a
 Kafka broker restarted. A worker keeps at most `slots` sessions; a new one
 replaces the least recently used only once that has been idle for
 EVICT_IDLE_S (Kafka's min.incremental.fetch.session.eviction.ms), else the
-client is answered without a session (session id 0) and fetches in full."""
+client is answered without a session (session id 0) and fetches in full.
+
+An incremental pass does not go over every partition of its session: the
+worker logs which views changed (ChangeLog), and a pass fetches the
+partitions the Fetch names, those that changed since the session's last
+pass and those still active (behind their high watermark, or answered with
+records or an error)."""
 from __future__ import annotations
 
 import secrets
