@@ -388,7 +388,9 @@ def test_metadata_reads_no_owner_keys(broker, topic_name, stack):
     c.close()
     assert all(md["topics"][0]["partitions"][0]["leader_id"] == broker.broker_id for md in answers)
     assert [q["leader_id"] for q in whole["topics"][0]["partitions"]] == [broker.broker_id] * 3_000
-    assert reads < 10, f"{reads} etcd reads for 21 Metadata requests"
+    # a scan of the owners would be 3 reads a request, 63 for these 21; the broker's own passes (the
+    # collector every 5 s, compaction of the 3,000 partitions just written) read etcd meanwhile: 12 in one run
+    assert reads < 30, f"{reads} etcd reads for 21 Metadata requests"
 
 
 def test_a_partition_of_fifty_thousand_segments_opens(make_broker, topic_name, stack):
