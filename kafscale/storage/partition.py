@@ -136,15 +136,16 @@ class PartitionLog(LogReader):
         self._pending: list[_Pending] = []
         self._inflight: list[_Pending] = []  # taken by the flushes under way, in offset order
         self._pending_bytes = 0
-        self._linger = Linger()
-        self._wake = asyncio.Event()
+        if node is None:  # the partition's own flush loop (node_flush off): not made for each of 10,000 partitions
+            self._linger = Linger()
+            self._wake = asyncio.Event()
+            self._upload_slots = asyncio.Semaphore(MAX_UPLOADS)
+            self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
         self._commit_lock = asyncio.Lock()  # flush commits and retention both move the partition key
         self._idle = asyncio.Event()  # set while nothing is queued or being flushed
         self._idle.set()
         self._flusher: asyncio.Task[None] | None = None
         self._flushes: set[asyncio.Task[None]] = set()  # segments being uploaded or committed
-        self._upload_slots = asyncio.Semaphore(MAX_UPLOADS)
-        self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
         self._producers: dict[int, _ProducerState] = {}
         self._producers_pruned_ms = 0
         self.closed = False
