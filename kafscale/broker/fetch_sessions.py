@@ -76,7 +76,7 @@ class FetchSession:
         self.epoch = 1  # the epoch of the next Fetch
         self.principal = principal
         self.by_id = by_id  # topics named by id (Fetch v13+): a session never mixes the two
-        # each topic's partitions as the Fetch that last named them asked (offset, max bytes), in fetch order
+        # each topic's partitions as the Fetch that last named them asked (offset, max bytes)
         self.topics: dict[Key, dict[int, dict[str, Any]]] = {}
         self.sent: dict[tuple[Key, int], tuple[int, int]] = {}  # high watermark and log start last answered
         self.used = time.monotonic()
@@ -85,7 +85,7 @@ class FetchSession:
         self.active: set[tuple[Key, int]] = set()
         self.seen = -1  # the worker's ChangeLog position at the last pass (-1: none yet, pass over everything)
         self.names: dict[str, Key] = {}  # topic name -> key, as the passes resolved them
-        self.rank: dict[tuple[Key, int], int] = {}  # fetch order
+        self.rank: dict[tuple[Key, int], int] = {}  # fetch order (a partition that returned records goes last)
         self.ranked = 0  # ranks given
 
     def key(self, topic: dict[str, Any]) -> Key:
@@ -98,9 +98,9 @@ class FetchSession:
             parts = self.topics.setdefault(key, {})
             for p in t["partitions"]:
                 parts[p["partition"]] = p
-                self.active.add((key, p["partition"]))
-                if (key, p["partition"]) not in self.rank:
-                    self.rank[(key, p["partition"])] = self.ranked
+                self.active.add(kp := (key, p["partition"]))
+                if kp not in self.rank:
+                    self.rank[kp] = self.ranked
                     self.ranked += 1
         for t in forgotten:
             key = self.key(t)

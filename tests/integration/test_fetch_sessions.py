@@ -5,24 +5,19 @@ through them, with sessions switched off, and through the proxy."""
 from __future__ import annotations
 
 import pytest
-from confluent_kafka import Producer
 
 from kafscale.protocol.errors import ErrorCode
 from kafscale.protocol.schemas import FETCH, METADATA
 from tests.integration.clients import create_topic
 from tests.integration.rawclient import RawClient
 from tests.integration.test_groups import wait_for
+from tests.integration.test_node_flush import produce_confluent
 from tests.integration.test_observability import get, samples, total
 
 
 def produce(bootstrap: str, topic: str, values: dict[int, list[bytes]]) -> None:
     """Each partition's values, in order, acks=all."""
-    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
-    failed: list[object] = []
-    for partition, vals in values.items():
-        for v in vals:
-            p.produce(topic, v, partition=partition, on_delivery=lambda err, _m: err and failed.append(err))
-    assert p.flush(60) == 0 and not failed
+    produce_confluent(bootstrap, topic, [(p, v) for p, vals in values.items() for v in vals])
 
 
 def fetch(c: RawClient, version: int, session_id: int, epoch: int, topic: str | bytes,
