@@ -5,14 +5,17 @@ commits and nothing it or they held is acknowledged."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
 
 from kafscale import _native
+from kafscale.broker import partitions
 from kafscale.broker.cluster import Cluster, rendezvous
 from kafscale.broker.partitions import PartitionRegistry
 from kafscale.broker.shm import SharedArea, SharedCache
@@ -1027,6 +1030,41 @@ def test_an_opener_cancelled_while_claiming_fails_those_who_joined_it():
         gate.set()
         lg = await asyncio.wait_for(reg.partition_log(TOPIC, 0), 5)
         assert lg.epoch >= 1 and reg.is_open(TOPIC, 0)
+        await reg.close(drain_s=1)
+
+    run(go())
+
+
+def test_opened_partitions_are_frozen_and_freed_without_the_collector_once_closed(monkeypatch):
+    """Every FREEZE_OPENS opens the collector's generations are frozen: the
+    open partitions' objects are not scanned again. A closed partition's
+    frozen objects still go when its last reference does (no cycle holds
+    them: a frozen one would never be collected), written to or not."""
+    monkeypatch.setattr(partitions, "FREEZE_OPENS", 4)
+
+    async def go():
+        n = Node()
+        reg = await n.topic_registry(5, compaction_lag_ms=100)
+        compaction = asyncio.create_task(reg.compaction_loop())
+        gc.disable()
+        try:
+            logs = [await reg.partition_log(TOPIC, p) for p in range(4)]
+            tracked = {id(o) for o in gc.get_objects()}
+            assert not any(id(lg) in tracked for lg in logs), "frozen"
+            await asyncio.gather(*(append(lg, batch(b"v")) for lg in logs[:2]))
+            gone = [weakref.ref(lg) for lg in logs]
+            for p, lg in enumerate(logs):
+                await reg.release_partition(TOPIC, p, lg, drain_s=1)
+            del logs, lg
+            # the flush and compaction loops' locals hold the logs of their last object and compaction until
+            # their next one
+            await append(await reg.partition_log(TOPIC, 4), batch(b"w"))
+            await n.until(lambda: not reg.flusher.sliced)
+            assert [r() for r in gone] == [None] * 4
+        finally:
+            gc.unfreeze()
+            gc.enable()
+            compaction.cancel()
         await reg.close(drain_s=1)
 
     run(go())
