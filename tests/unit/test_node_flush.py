@@ -477,6 +477,37 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
     run(go())
 
 
+def test_a_check_groups_its_due_partitions_a_turn_at_a_time_into_runs_of_neighbours(monkeypatch):
+    """The due partitions a check starts are grouped into shared objects
+    BATCHING_TURN at a time (the event loop runs other work between turns),
+    each turn of neighbours, whatever order their slices came in."""
+    from kafscale.broker import partitions as registry
+
+    monkeypatch.setattr(registry, "COMPACTION_CHECK_S", 0.02)
+    monkeypatch.setattr(registry, "BATCHING_TURN", 4)
+
+    async def go():
+        n = Node()
+        reg = await n.topic_registry(10, compaction_lag_ms=100)
+        logs = [await reg.partition_log(TOPIC, p) for p in range(10)]
+        await asyncio.gather(*(append(lg, batch(b"x")) for lg in reversed(logs)))
+        started: list[list[int]] = []
+        real_shared = registry.compact_shared
+
+        async def compact_shared(logs, *args):
+            started.append([lg.partition for lg in logs])
+            return await real_shared(logs, *args)
+
+        monkeypatch.setattr(registry, "compact_shared", compact_shared)
+        loop = asyncio.create_task(reg.compaction_loop())
+        await n.until(lambda: all(lg.oldest_slice_ms() == 0 for lg in logs))
+        loop.cancel()
+        assert sorted(started) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]], started
+        await reg.close(drain_s=1)
+
+    run(go())
+
+
 def test_a_partition_with_segments_of_slices_waiting_is_compacted_without_waiting_a_check_each(monkeypatch):
     """A compaction takes at most segment.bytes of a partition's slices. One
     that leaves a whole segment.bytes more waiting starts the next at once:
