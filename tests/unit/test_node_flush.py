@@ -481,10 +481,8 @@ def test_a_check_groups_its_due_partitions_a_turn_at_a_time_into_runs_of_neighbo
     """The due partitions a check starts are grouped into shared objects
     BATCHING_TURN at a time (the event loop runs other work between turns),
     each turn of neighbours, whatever order their slices came in."""
-    from kafscale.broker import partitions as registry
-
-    monkeypatch.setattr(registry, "COMPACTION_CHECK_S", 0.02)
-    monkeypatch.setattr(registry, "BATCHING_TURN", 4)
+    monkeypatch.setattr(partitions, "COMPACTION_CHECK_S", 0.02)
+    monkeypatch.setattr(partitions, "BATCHING_TURN", 4)
 
     async def go():
         n = Node()
@@ -492,13 +490,13 @@ def test_a_check_groups_its_due_partitions_a_turn_at_a_time_into_runs_of_neighbo
         logs = [await reg.partition_log(TOPIC, p) for p in range(10)]
         await asyncio.gather(*(append(lg, batch(b"x")) for lg in reversed(logs)))
         started: list[list[int]] = []
-        real_shared = registry.compact_shared
+        real_shared = partitions.compact_shared
 
         async def compact_shared(logs, *args):
             started.append([lg.partition for lg in logs])
             return await real_shared(logs, *args)
 
-        monkeypatch.setattr(registry, "compact_shared", compact_shared)
+        monkeypatch.setattr(partitions, "compact_shared", compact_shared)
         loop = asyncio.create_task(reg.compaction_loop())
         await n.until(lambda: all(lg.oldest_slice_ms() == 0 for lg in logs))
         loop.cancel()
