@@ -91,16 +91,30 @@ def weed_binary() -> str:
     return found
 
 
-def _die_with_parent() -> None:
-    """Child processes get SIGTERM if the process that started them dies."""
+def _as_storage_server() -> None:
+    """In etcd's and SeaweedFS's process before it starts: SIGTERM if the
+    process that started it dies, and the SCHED_BATCH policy (its threads
+    inherit it). Here the storage servers share the CPUs with the broker,
+    which stands for storage on other machines. With the default policy
+    each PUT or transaction the log process sent woke a server that took
+    its CPU at once and kept it for the request's whole handling (about
+    1.5 ms of SeaweedFS's CPU a PUT): at 10,000 partitions the log process
+    spent a quarter of its time stalled inside those sends, and every
+    acknowledgement waiting on its event loop with it. A SCHED_BATCH
+    thread never takes a CPU from a running one on waking; it runs once
+    that one waits or has had its time slice, with the same share of the
+    CPUs (same nice value) as before (bench/README.md, session 86)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if hasattr(os, "SCHED_BATCH"):  # Linux
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
 def _spawn(args: list[str], logfile: Path) -> subprocess.Popen[bytes]:
     out = open(logfile, "ab")
     return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+                            start_new_session=True, preexec_fn=_as_storage_server)
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, logfile: Path, timeout: float = 60) -> None:
@@ -209,7 +223,7 @@ class DevStack:
                 f"-master.volumeSizeLimitMB={self.volume_mib}"]
         out = open(logfile, "ab")
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env_free,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=_as_storage_server)
         self.procs.append(proc)
         wait_port(self.s3_port, proc, "SeaweedFS S3", logfile)
 

@@ -82,6 +82,16 @@ def test_the_dev_s3_refuses_anonymous_requests(stack):
     stack.s3_client().head_object(Bucket=stack.bucket, Key="_kafscale/ready")  # the keys still work
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_the_dev_storage_servers_never_take_the_cpu_from_the_broker_on_waking(stack):
+    """etcd and SeaweedFS, and every thread they started since, run as
+    SCHED_BATCH: a request the broker sends them does not stall it."""
+    for proc in stack.procs:
+        threads = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+        assert len(threads) > 1, proc.args[0]
+        assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_BATCH}, proc.args[0]
+
+
 def kafscale_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kafscale.cli", *args], capture_output=True, text=True, timeout=60)
 
