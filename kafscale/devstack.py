@@ -94,8 +94,8 @@ def weed_binary() -> str:
 def _as_storage_server() -> None:
     """In etcd's and SeaweedFS's process before it starts: SIGTERM if the
     process that started it dies, and the SCHED_BATCH policy (its threads
-    inherit it). Here the storage servers share the CPUs with the broker,
-    which stands for storage on other machines. With the default policy
+    inherit it). The dev stack's servers share the CPUs with the broker;
+    they stand for storage on other machines. With the default policy
     each PUT or transaction the log process sent woke a server that took
     its CPU at once and kept it for the request's whole handling (about
     1.5 ms of SeaweedFS's CPU a PUT): at 10,000 partitions the log process
