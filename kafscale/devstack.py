@@ -111,10 +111,11 @@ def _as_storage_server() -> None:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
-def _spawn(args: list[str], logfile: Path) -> subprocess.Popen[bytes]:
-    out = open(logfile, "ab")
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=_as_storage_server)
+def _spawn(args: list[str], logfile: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start a storage server (etcd, SeaweedFS), its output appended to logfile."""
+    with open(logfile, "ab") as out:  # the server has its own copy of the descriptor
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, preexec_fn=_as_storage_server)
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, logfile: Path, timeout: float = 60) -> None:
@@ -221,9 +222,7 @@ class DevStack:
                 f"-admin.port={p['admin']}", f"-admin.port.grpc={p['g_admin']}", "-admin.ui=false",
                 "-webdav=false", f"-metricsPort={p['metrics']}",
                 f"-master.volumeSizeLimitMB={self.volume_mib}"]
-        out = open(logfile, "ab")
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env_free,
-                                start_new_session=True, preexec_fn=_as_storage_server)
+        proc = _spawn(args, logfile, env_free)
         self.procs.append(proc)
         wait_port(self.s3_port, proc, "SeaweedFS S3", logfile)
 
