@@ -26,8 +26,9 @@ the machine's on average, and the log process's threads per second they
 ran: past 1, a thread waits longer for the CPU than it runs; every hop of an
 acknowledgement waits). From the broker's own /metrics, where an acknowledgement's
 time goes: Produce request p50/p99/max (arrival to response, in the workers),
-node object PUT, etcd commit, how late the log process's event loop runs
-what is due (each the upper bound of its histogram bucket; a busy loop makes
+node object PUT, etcd commit, each node object's oldest batch's wait to
+be cut (queued) and to be acknowledged (durable), how late the log
+process's event loop runs what is due (each the upper bound of its histogram bucket; a busy loop makes
 the PUTs and commits look slower, as their completions wait for it), and how
 often and how long the producer's connection was not read because it had
 max_in_flight_requests unanswered (its requests then wait in the client). From
@@ -251,6 +252,8 @@ BROKER_HISTOGRAMS: dict[str, tuple[str, tuple[str, str] | None]] = {  # column: 
     "produce": ("kafscale_request_seconds", ("api", "Produce")),
     "PUT": ("kafscale_s3_request_seconds", ("op", "put")),
     "commit": ("kafscale_etcd_commit_seconds", None),
+    "queued": ("kafscale_node_flush_seconds", ("stage", "queued")),
+    "durable": ("kafscale_node_flush_seconds", ("stage", "durable")),
     "log loop lag": ("kafscale_event_loop_lag_seconds", ("process", "log")),
     "in-flight pause": ("kafscale_connection_paused_seconds", None),
 }

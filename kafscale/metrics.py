@@ -52,6 +52,12 @@ COMPACTED_BYTES = Counter("kafscale_compacted_bytes",
                           "Bytes compaction rewrote into committed segments, by what they were: slices (node objects' "
                           "bytes, compacted for the first time) or merged (small compacted segments written again); "
                           "(slices + merged) / slices is compaction's write amplification", ["node", "source"])
+NODE_FLUSH_SECONDS = Histogram(
+    "kafscale_node_flush_seconds", "Where an acknowledgement's time in the log process goes, per node object, by "
+    "stage: queued (its oldest batch's wait until the object is cut: the flush linger), upload (its PUT, retries "
+    "included), commit (uploaded until committed: behind the objects before it, then the etcd transaction) and durable "
+    "(its oldest batch queued until its producers are acknowledged)", ["node", "stage"],
+    buckets=(.0005, .001, .002, .003, .005, .0075, .01, .015, .02, .03, .05, .075, .1, .25, .5, 1, 2.5, 10))
 FLUSH_BYTES = Histogram("kafscale_segment_flush_bytes", "Size of each node object or segment a flush uploads", ["node"],
                         buckets=tuple(float(1 << n) for n in range(12, 31, 2)))
 

@@ -435,13 +435,14 @@ class NodeFlusher:
                     await asyncio.sleep(wait)
             await self._uncommitted.acquire()
             await self._uploads.acquire()
+            queued_at = self._linger.first_at
             taken = self._take()
             if not taken:
                 self._uploads.release()
                 self._uncommitted.release()
                 continue
             self.seq += 1
-            task = asyncio.create_task(self._flush(taken, self.seq), name=f"node flush {self.seq}")
+            task = asyncio.create_task(self._flush(taken, self.seq, queued_at), name=f"node flush {self.seq}")
             self._flushes[task] = {lg for lg, _ in taken}
             task.add_done_callback(functools.partial(self._done, self.fence))
 
@@ -456,10 +457,13 @@ class NodeFlusher:
                 lg.flush_failed()
             asyncio.get_running_loop().create_task(self.on_fenced(fence))
 
-    async def _flush(self, taken: list[tuple[PartitionLog, list[_Pending]]], seq: int) -> None:
+    async def _flush(self, taken: list[tuple[PartitionLog, list[_Pending]]], seq: int, queued_at: float) -> None:
         """Build and upload node object seq, then wait for its commit (in seq
         order, possibly in one transaction with the objects uploaded while an
-        earlier commit was under way)."""
+        earlier commit was under way). queued_at: time.monotonic() when its
+        oldest batch was queued (metrics.NODE_FLUSH_SECONDS)."""
+        stage = functools.partial(metrics.NODE_FLUSH_SECONDS.labels, metrics.node())
+        stage("queued").observe(time.monotonic() - queued_at)
         created = int(time.time() * 1000)
         key = node_key(self.cfg.namespace, self.fence, seq)
         try:  # holds an upload slot (taken by _run) until the upload ends
@@ -485,7 +489,10 @@ class NodeFlusher:
             body = seal(body, dir_raw)
             metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(body))
             faults.reached("before-upload")
+            started = time.monotonic()
             await upload(self.store, key, body, self.cfg.s3_timeout_s)
+            uploaded_at = time.monotonic()
+            stage("upload").observe(uploaded_at - started)
             faults.reached("after-upload")
         except Exception as exc:
             self._fail(exc)
@@ -499,6 +506,9 @@ class NodeFlusher:
         if self._committer is None or self._committer.done():
             self._committer = asyncio.create_task(self._commit_uploaded(), name="node commit")
         await committed
+        acked_at = time.monotonic()
+        stage("commit").observe(acked_at - uploaded_at)
+        stage("durable").observe(acked_at - queued_at)
 
     async def _commit_uploaded(self) -> None:
         """Commit the uploaded objects that continue the committed ones, in seq

@@ -79,6 +79,9 @@ def test_metrics_merge_every_process_and_report_group_lag(make_broker, topic_nam
     assert total(smp, "kafscale_s3_request_seconds_count", op="put") >= 1, "the node object PUT"
     assert total(smp, "kafscale_etcd_commit_seconds_count") >= 1
     assert total(smp, "kafscale_segment_flush_bytes_count") >= 1
+    flushed = [total(smp, "kafscale_node_flush_seconds_count", stage=st) for st in ("queued", "upload", "commit",
+                                                                                       "durable")]
+    assert flushed[0] >= 1 and len(set(flushed)) == 1, f"every stage of every node object: {flushed}"
     assert total(smp, "kafscale_request_seconds_count", api="Produce") >= 1
     lagged = {lab["process"] for lab, v in smp["kafscale_event_loop_lag_seconds_count"] if v}
     assert lagged == {"log", "0", "1"}, "every process samples its event loop's lag"

@@ -13,8 +13,9 @@ import weakref
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import REGISTRY
 
-from kafscale import _native
+from kafscale import _native, metrics
 from kafscale.broker import partitions
 from kafscale.broker.cluster import Cluster, rendezvous
 from kafscale.broker.partitions import PartitionRegistry
@@ -152,6 +153,41 @@ def test_a_batch_goes_at_once_with_nothing_under_way_and_gathers_for_the_linger_
         assert n.uploaded() == 3 and not any(f.done() for f in later), "queued behind an object: they gather"
         assert await asyncio.wait_for(asyncio.gather(*later), 5) == [2, 1]
         assert n.uploaded() == 4, "the two gathered batches went in one object"
+        await flusher.stop()
+
+    run(go())
+
+
+def test_a_node_object_times_its_stages_from_queued_to_acknowledged():
+    """kafscale_node_flush_seconds: per node object, how long its oldest batch
+    waited to be cut (the linger, behind an object under way), its upload,
+    its commit (here held back) and the whole time from queued to
+    acknowledged, which holds the other three."""
+    def seen(stage: str) -> tuple[float, float]:
+        labels = {"node": metrics.node(), "stage": stage}
+        return (REGISTRY.get_sample_value("kafscale_node_flush_seconds_count", labels) or 0.0,
+                REGISTRY.get_sample_value("kafscale_node_flush_seconds_sum", labels) or 0.0)
+
+    async def go():
+        n = Node()
+        n.cfg = Config(node_id=1, namespace="unit", linger_ms=100, node_flush=True)
+        flusher, (p0, p1) = await n.start()
+        before = {stage: seen(stage) for stage in ("queued", "upload", "commit", "durable")}
+        n.gate.clear()
+        first = append(p0, batch(b"a"))  # nothing under way: cut at once
+        await n.until(lambda: n.commits == [[1]])
+        second = append(p1, batch(b"b"))  # behind the first: waits the linger
+        await asyncio.sleep(0.05)
+        n.gate.set()
+        assert await asyncio.gather(first, second) == [0, 0]
+        await asyncio.sleep(0)  # the flushes record their last stages as they resume
+        count, took = {}, {}
+        for stage, (c, s) in before.items():
+            count[stage], took[stage] = seen(stage)[0] - c, seen(stage)[1] - s
+        assert count == {"queued": 2, "upload": 2, "commit": 2, "durable": 2}, "each stage once per object"
+        assert took["queued"] >= 0.1, "the second object's batch waited the linger"
+        assert took["commit"] >= 0.05, "the first object's commit was held back"
+        assert took["durable"] >= took["queued"] + took["upload"] + took["commit"]
         await flusher.stop()
 
     run(go())
