@@ -28,9 +28,10 @@ acknowledgement waits). From the broker's own /metrics, where an acknowledgement
 time goes: Produce request p50/p99/max (arrival to response, in the workers),
 node object PUT, etcd commit, each node object's oldest batch's wait to
 be cut (queued) and to be acknowledged (durable), how late the log
-process's event loop runs what is due (each the upper bound of its histogram bucket; a busy loop makes
-the PUTs and commits look slower, as their completions wait for it), and how
-often and how long the producer's connection was not read because it had
+process's event loop runs what is due (each the upper bound of its
+histogram bucket; a busy loop makes the PUTs and commits look slower, as
+their completions wait for it), and how often and how long the
+producer's connection was not read because it had
 max_in_flight_requests unanswered (its requests then wait in the client). From
 etcd's own /metrics, its WAL fsyncs and backend commits p99/max: node objects
 commit in order, so one slow fsync holds every acknowledgement behind it while
