@@ -181,9 +181,9 @@ def test_a_node_object_times_its_stages_from_queued_to_acknowledged():
         n.gate.set()
         assert await asyncio.gather(first, second) == [0, 0]
         await asyncio.sleep(0)  # the flushes record their last stages as they resume
-        count, took = {}, {}
-        for stage, (c, s) in before.items():
-            count[stage], took[stage] = seen(stage)[0] - c, seen(stage)[1] - s
+        after = {stage: seen(stage) for stage in before}
+        count = {stage: after[stage][0] - c for stage, (c, _) in before.items()}
+        took = {stage: after[stage][1] - s for stage, (_, s) in before.items()}
         assert count == {"queued": 2, "upload": 2, "commit": 2, "durable": 2}, "each stage once per object"
         assert took["queued"] >= 0.1, "the second object's batch waited the linger"
         assert took["commit"] >= 0.05, "the first object's commit was held back"
