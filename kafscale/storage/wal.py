@@ -463,10 +463,10 @@ class NodeFlusher:
         earlier commit was under way). queued_at: time.monotonic() when its
         oldest batch was queued (metrics.NODE_FLUSH_SECONDS)."""
         stage = functools.partial(metrics.NODE_FLUSH_SECONDS.labels, metrics.node())
-        stage("queued").observe(time.monotonic() - queued_at)
         created = int(time.time() * 1000)
         key = node_key(self.cfg.namespace, self.fence, seq)
         try:  # holds an upload slot (taken by _run) until the upload ends
+            stage("queued").observe(time.monotonic() - queued_at)
             if self._failed is not None:
                 raise self._failed
             taken.sort(key=lambda t: layout_order(t[0]))
