@@ -95,6 +95,10 @@ class Config:
                                        "the connection is not read (librdkafka sends one produce request per "
                                        "partition batch and pipelines them: keep it above produce requests/s x "
                                        "ack latency; every request read waits ahead of other clients' ones)")
+    read_pacing_ms: int = _opt(2, "a connection that pipelines small Produce requests less than twice this apart "
+                               "is read at most once every this long (at most linger_ms), its requests waiting "
+                               "in the socket meanwhile: a worker and its log process wake once for several of "
+                               "them, not once each (0: read each as it comes)")
     socket_receive_buffer_bytes: int = _opt(100 * 1024, "SO_RCVBUF of each client connection, as Kafka's "
                                             "socket.receive.buffer.bytes (-1: the system's, which grows to "
                                             "net.ipv4.tcp_rmem's maximum): what a client can send past a "

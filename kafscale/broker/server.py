@@ -39,6 +39,7 @@ _SIZE = struct.Struct(">i")
 WRITE_SLICE = 1024 * 1024  # responses are written in slices of this size (see KafkaServer._write)
 READ_CHUNK = 256 * 1024  # the most a connection's reader takes from its stream at a time
 COALESCE_BYTES = 64 * 1024  # responses up to this size that are ready together are written in one go
+PACED_READ_BYTES = 64 * 1024  # a connection's reads are paced (ConnectionLimits.read_pacing_s) while smaller
 # the largest frame a connection may send before it authenticated (Kafka's sasl.server.max.receive.size)
 UNAUTHENTICATED_MAX_FRAME = 512 * 1024
 _conn_ids = itertools.count(1)
@@ -59,13 +60,19 @@ class ConnectionLimits:
     # requests only while it cannot write its socket (queue.buffering.backpressure.threshold); Kafka's
     # 100 KiB cut its p99 against a slow listener to a third (bench/README.md, session 71).
     receive_buffer_bytes: int = -1
+    # A connection whose reads of Produce requests are small (below PACED_READ_BYTES), come less than twice this
+    # apart and find earlier requests still unanswered is read at most once this long after the read before, its
+    # socket left unpolled meanwhile (0: never); a client that waits for each answer before it sends again is not. librdkafka sends a request per partition batch: over 10,000 partitions at 2,000 records/s the
+    # worker woke about 1,200 times a second for one or two requests, and so did the log process it passed them
+    # to; the wake-ups, not the requests, were most of their CPU (bench/README.md, session 88).
+    read_pacing_s: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> ConnectionLimits:
         return cls(cfg.max_request_bytes, max(cfg.queued_max_request_bytes, cfg.max_request_bytes),
                    max(cfg.max_in_flight_requests, 1),
                    cfg.request_read_timeout_s, cfg.connections_max_idle_ms / 1000, cfg.response_write_timeout_s,
-                   cfg.socket_receive_buffer_bytes)
+                   cfg.socket_receive_buffer_bytes, max(min(cfg.read_pacing_ms, cfg.linger_ms), 0) / 1000)
 
 
 class ByteBudget:
@@ -265,6 +272,7 @@ class _FrameReader:
     each were a sixth of the listener's time per request under cProfile."""
 
     reader: asyncio.StreamReader
+    transport: asyncio.BaseTransport  # the reader's (paused while a read waits for its pace)
     session: Session
     limits: ConnectionLimits
     budget: ByteBudget
@@ -272,6 +280,9 @@ class _FrameReader:
     body: _ReadDeadline
     data: bytes = b""  # bytes read, from pos on not yet returned
     pos: int = 0
+    read_at: float = 0.0  # time.monotonic() when the last read returned
+    busy: bool = False  # the last read was small and came within two paces of the one before
+    paced_until: float = 0.0  # the next read waits until then (set when a run of Produce requests took all read)
 
     async def fill(self) -> bool:
         """Read until a frame's size prefix is here (False at a clean end, or
@@ -300,6 +311,8 @@ class _FrameReader:
         if not count:
             return None
         run, self.pos = self.data[self.pos:end], end
+        if self.busy and end == len(self.data) and self.session.in_flight:  # pipelining, not request-response
+            self.paced_until = self.read_at + self.limits.read_pacing_s
         return run, count
 
     async def next(self) -> memoryview | None:
@@ -339,14 +352,34 @@ class _FrameReader:
 
     async def _read(self) -> bool:
         """Add what the stream holds next to the bytes not yet returned (under
-        the idle limit: a frame's first bytes); False at its end."""
+        the idle limit: a frame's first bytes); False at its end. A busy
+        connection's read after a run of Produce requests first waits for
+        its pace (ConnectionLimits.read_pacing_s), its socket not polled."""
+        if self.paced_until:
+            await self._pace()
         with self.idle:
             chunk = await self.reader.read(READ_CHUNK)
         if not chunk:
             return False
+        now = time.monotonic()
+        self.busy = len(chunk) < PACED_READ_BYTES and now - self.read_at < 2 * self.limits.read_pacing_s
+        self.read_at = now
         rest = self.data[self.pos:]
         self.data, self.pos = (rest + chunk if rest else chunk), 0
         return True
+
+    async def _pace(self) -> None:
+        """Wait until paced_until with the transport not reading (unless the
+        stream paused it for its own buffer's sake): what the client sends
+        meanwhile waits in the socket and is then read in one go."""
+        wait, self.paced_until = self.paced_until - time.monotonic(), 0.0
+        transport = self.transport
+        if wait > 0 and isinstance(transport, asyncio.ReadTransport) and transport.is_reading():
+            transport.pause_reading()
+            try:
+                await asyncio.sleep(wait)
+            finally:
+                transport.resume_reading()
 
 
 SESSION: contextvars.ContextVar[Session] = contextvars.ContextVar("session")
@@ -520,7 +553,7 @@ class KafkaServer:
                           client_host=f"/{peer[0]}" if isinstance(peer, tuple) else "")
         SESSION.set(session)  # request tasks copy this context
         deadlines = (_ReadDeadline(me, self.limits.idle_timeout_s), _ReadDeadline(me, self.limits.read_timeout_s))
-        frames = _FrameReader(reader, session, self.limits, self.budget, *deadlines)
+        frames = _FrameReader(reader, writer.transport, session, self.limits, self.budget, *deadlines)
         runs = self.produce_run is not None
         try:
             while not sender.done():

@@ -294,3 +294,53 @@ def test_the_in_flight_limit_holds_back_reading() -> None:
             await server.close()
 
     asyncio.run(run())
+
+
+def test_a_pipelining_connections_small_produce_requests_are_read_at_its_pace() -> None:
+    """With read_pacing_s, a connection that pipelines small Produce requests
+    (sends more while earlier ones are unanswered) is read at most once a
+    pace, its socket not polled meanwhile: the requests sent during a pause
+    reach the run handler as one run, and every answer follows the order of
+    the requests. A request after a quiet spell, and a client that waits for
+    each answer before it sends again, are read as they come. Without pacing
+    each request is a run of its own."""
+    pace_s, answer_s = 1.0, 0.1
+
+    async def runs_of(pacing_s: float) -> tuple[list[int], list[float]]:
+        runs: list[int] = []
+
+        def produce_run(hdr: RequestContext, frames: memoryview, count: int, respond: RunRespond) -> None:
+            runs.append(count)
+            ids = [parse_header(frame)[2] for frame in run_frames(frames, count)]
+            answers = [(i, 9, {"responses": [], "throttle_time_ms": 0}) for i in ids]
+            asyncio.get_running_loop().call_later(answer_s, respond, encode_produce_responses(answers))
+
+        limits = ConnectionLimits(1 << 20, 1 << 20, 100, read_timeout_s=5, idle_timeout_s=5, write_timeout_s=5,
+                                  read_pacing_s=pacing_s)
+        server = KafkaServer({}, "127.0.0.1", 0, limits, produce_run=produce_run)
+        await server.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            for i in range(1, 13):  # 2 while 1 is unanswered: the read after it waits for its pace
+                writer.write(_produce(i, "t"))
+                await writer.drain()
+                await asyncio.sleep(0.05 if i == 1 else 0.01)
+            answers = await asyncio.wait_for(_answers(reader, 12), 5 * pace_s)
+            assert [struct.unpack_from(">i", a)[0] for a in answers] == list(range(1, 13))
+            await asyncio.sleep(2.5 * pace_s)  # quiet
+            waits = []
+            for i in range(13, 17):  # then each sent once the one before is answered
+                sent = time.monotonic()
+                writer.write(_produce(i, "t"))
+                assert struct.unpack_from(">i", (await _answers(reader, 1))[0])[0] == i
+                waits.append(time.monotonic() - sent)
+            writer.close()
+            await _budget_given_back(server)
+            return runs, waits
+        finally:
+            await server.close()
+
+    runs, waits = asyncio.run(runs_of(pace_s))
+    assert runs == [1, 1, 10, 1, 1, 1, 1]
+    assert max(waits) < pace_s / 2  # answer_s each, none waited for a pace
+    assert asyncio.run(runs_of(0.0))[0] == [1] * 16
