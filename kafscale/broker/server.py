@@ -62,9 +62,10 @@ class ConnectionLimits:
     receive_buffer_bytes: int = -1
     # A connection whose reads of Produce requests are small (below PACED_READ_BYTES), come less than twice this
     # apart and find earlier requests still unanswered is read at most once this long after the read before, its
-    # socket left unpolled meanwhile (0: never); a client that waits for each answer before it sends again is not. librdkafka sends a request per partition batch: over 10,000 partitions at 2,000 records/s the
-    # worker woke about 1,200 times a second for one or two requests, and so did the log process it passed them
-    # to; the wake-ups, not the requests, were most of their CPU (bench/README.md, session 88).
+    # socket left unpolled meanwhile (0: never); a client that waits for each answer before it sends again is
+    # not. librdkafka sends a request per partition batch: over 10,000 partitions at 2,000 records/s the worker
+    # woke about 1,200 times a second for one or two requests, and so did the log process it passed them to;
+    # the wake-ups, not the requests, were most of their CPU (bench/README.md, session 88).
     read_pacing_s: float = 0.0
 
     @classmethod
