@@ -5,16 +5,22 @@
 Each case records GB/s in extra_info; zlib.crc32 (CRC-32, not CRC32C) on the
 same bytes is the in-run baseline. The Produce request and response cases
 take the schema codec on the same message as theirs (one partition of one
-1 KiB record, v9, as librdkafka sends at many partitions)."""
+1 KiB record, v9, as librdkafka sends at many partitions). A node
+object's directory takes json.dumps of the same document."""
 from __future__ import annotations
 
+import functools
+import json
 import zlib
+from types import SimpleNamespace
 
 import pytest
 
 from kafscale import _native
+from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol.framing import encode_request, encode_response, parse_request_header
 from kafscale.protocol.schemas import PRODUCE
+from kafscale.storage.wal import Slice, directory
 
 MIB = 1 << 20
 
@@ -68,3 +74,24 @@ def test_encode_produce_response(benchmark, native, monkeypatch):
         {"index": 7, "error_code": 0, "base_offset": 1234, "log_append_time_ms": -1, "log_start_offset": 0,
          "record_errors": [], "error_message": None}]}], "throttle_time_ms": 0}
     benchmark(encode_response, hdr, body)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "json_dumps_baseline"])
+def test_node_directory_1000_slices(benchmark, native):
+    """A node object's directory of 1,000 slices (one per partition, as at
+    1,000 partitions), against json.dumps of the same document."""
+    key, created = "ns/~node/1-0123456789ab/000000000007.kfn", 1_700_000_001_000
+    slices = [Slice(SimpleNamespace(topic="orders", partition=p),  # type: ignore[arg-type]
+                    SegmentManifest(10 * p, 10 * p + 1, 2, 2_170, 1_700_000_000_000, 1_700_000_000_001, key,
+                                    created, {}, 2_170 * p), [])
+              for p in range(1000)]
+    ids = {"orders": b"\x01" * 16}
+
+    def dumps() -> bytes:
+        rows = [[0, s.log.partition, s.manifest.base, s.manifest.last, s.manifest.count, s.manifest.pos,
+                 s.manifest.size, s.manifest.min_ts, s.manifest.max_ts] for s in slices]
+        return json.dumps({"key": key, "created_ms": created, "topics": [["orders", ids["orders"].hex()]],
+                           "slices": rows}, separators=(",", ":")).encode()
+
+    assert directory(key, created, slices, ids) == dumps()
+    benchmark(functools.partial(directory, key, created, slices, ids) if native else dumps)

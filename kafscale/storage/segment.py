@@ -18,7 +18,7 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from kafscale import _native
 
@@ -126,25 +126,6 @@ def build_segment(batches: Sequence[tuple[memoryview | bytes, int]], created_ms:
         raise SegmentFormatError("a segment needs at least one batch")
     index = INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, len(entries) // INDEX_ENTRY.size, index_interval) + entries
     return BuiltSegment(data, index, bases[0], last_offset, count, min_ts, max_ts, positions, bases)
-
-
-# A slice of a node object as built_slices returns it: its position and size in
-# the object, base and last offset, records, smallest and largest timestamp,
-# and its shared-cache tables (shm.CacheRef after the position and size)
-BuiltSlice = tuple[int, int, int, int, int, int, int, bytes]
-
-
-class Placed(Protocol):
-    """A batch (or batches) queued for a node object, with its assigned base offset."""
-    payload: memoryview
-    base: int
-
-
-def build_slices(slices: list[list[Placed]], created_ms: int) -> tuple[bytearray, list[BuiltSlice]]:
-    """A node object's slices, each a whole segment of one partition's
-    batches (as build_segment makes it, without its index), back to back in
-    one buffer, built in one native call."""
-    return _native.assemble_node(slices, created_ms)
 
 
 @dataclass

@@ -33,12 +33,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kafscale import faults, metrics
+from kafscale import _native, faults, metrics
 from kafscale.config import Config
 from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest, TopicMeta
 from kafscale.protocol.types import TopicPartition
 from kafscale.storage.objectstore import ObjectExists, ObjectStore
-from kafscale.storage.segment import build_slices, topic_marker_key
+from kafscale.storage.segment import topic_marker_key
 
 if TYPE_CHECKING:
     from kafscale.broker.partitions import RecentCache
@@ -103,23 +103,25 @@ _dumps = functools.partial(json.dumps, separators=(",", ":"))
 
 
 def directory(key: str, created_ms: int, slices: list[Slice], topic_ids: dict[str, bytes]) -> bytes:
-    """The node object's directory (JSON, also its etcd value; the layout is
-    in docs/segment-format.md): its topics once each, then a row per slice
+    """The object's directory (JSON, also its etcd value; the layout is in
+    docs/segment-format.md): its topics once each, then a row per slice
     naming its topic by place. directory_slices reads it back. A row is an
     array, not an object with a key per field: an entry repeated its topic's
     name and id and eleven field names, about 200 bytes a slice against 70,
     and etcd's write-ahead log took every byte of it at every node commit
-    (bench/README.md, session 56). Written with an f-string per slice, not
-    json.dumps (for the objects per slice, that was half the cost)."""
+    (bench/README.md, session 56). The rows are written natively
+    (_native.directory_rows; a node flush's by _native.assemble_node)."""
     places: dict[str, int] = {}
-    rows = []
-    for s in slices:
-        lg, m = s.log, s.manifest
-        t = places.setdefault(lg.topic, len(places))
-        rows.append(f'[{t},{lg.partition},{m.base},{m.last},{m.count},{m.pos},{m.size},{m.min_ts},{m.max_ts}'
-                    f'{"," + _dumps(m.producers) if m.producers else ""}]')
+    rows = _native.directory_rows(slices, places, _dumps)
+    return wrap_rows(key, created_ms, places, rows, topic_ids)
+
+
+def wrap_rows(key: str, created_ms: int, places: dict[str, int], rows: bytes | bytearray,
+              topic_ids: dict[str, bytes]) -> bytes:
+    """A directory of its rows (directory), their topics in place order."""
     topics = ",".join(f'[{_dumps(t)},"{topic_ids[t].hex()}"]' for t in places)
-    return f'{{"key":{_dumps(key)},"created_ms":{created_ms},"topics":[{topics}],"slices":[{",".join(rows)}]}}'.encode()
+    return b"".join((f'{{"key":{_dumps(key)},"created_ms":{created_ms},"topics":[{topics}],"slices":['.encode(),
+                     rows, b"]}"))
 
 
 # A directory's slice: topic, topic id hex, partition, base, last, count, pos, size, min_ts, max_ts, producers
@@ -470,22 +472,16 @@ class NodeFlusher:
             if self._failed is not None:
                 raise self._failed
             taken.sort(key=lambda t: layout_order(t[0]))
-            body, built = build_slices([items for _, items in taken], created)
-            slices: list[Slice] = []
-            cached: list[tuple[str, int, int, bytes]] = []  # each slice's entry for the cache (put_object)
+            places: dict[str, int] = {}
+            # slices, their entries for the cache (put_object) and their directory rows, in one native call
+            body, slices, cached, rows = _native.assemble_node(taken, created, key, places, SegmentManifest, Slice,
+                                                               _dumps)
             ids: dict[str, bytes] = {}
-            for (lg, items), (pos, size, base, last, count, min_ts, max_ts, tables) in zip(taken, built, strict=True):
-                m = SegmentManifest(base, last, count, size, min_ts, max_ts, key, created,
-                                    lg.producers_of(items) if lg.has_producers() else {}, pos)
-                slices.append(Slice(lg, m, items))
-                cached.append((m.ref, pos, size, tables))
-                for p in items:
-                    p.done_with_payload()
-                if lg.topic not in ids:
-                    if (tid := self.topic_id(lg.topic)) is None:
-                        raise Fenced(f"topic {lg.topic} was deleted")
-                    ids[lg.topic] = tid
-            dir_raw = directory(key, created, slices, ids)
+            for topic in places:
+                if (tid := self.topic_id(topic)) is None:
+                    raise Fenced(f"topic {topic} was deleted")
+                ids[topic] = tid
+            dir_raw = wrap_rows(key, created, places, rows, ids)
             body = seal(body, dir_raw)
             metrics.FLUSH_BYTES.labels(metrics.node()).observe(len(body))
             faults.reached("before-upload")

@@ -1,24 +1,26 @@
 """The .kfs / .index byte layout (docs/segment-format.md)."""
 from __future__ import annotations
 
+import json
 import struct
 from types import SimpleNamespace
 
 import pytest
 
 from kafscale import _native
+from kafscale.metadata.store import SegmentManifest
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.segment import (
     FOOTER,
     HEADER,
     SegmentFormatError,
     build_segment,
-    build_slices,
     index_key,
     open_segment,
     parse_index,
     segment_key,
 )
+from kafscale.storage.wal import Slice
 
 
 def batches(n: int, per: int = 3, size: int = 100) -> list[bytes]:
@@ -64,28 +66,58 @@ def test_a_malformed_payload_builds_no_segment():
         build_segment([(b"", 0)], created_ms=0)
 
 
+class _Queued(SimpleNamespace):
+    """A queued batch as a node flush takes it: its payload is released once copied."""
+    released = 0
+
+    def done_with_payload(self) -> None:
+        self.released += 1
+
+
+class _Log(SimpleNamespace):
+    def has_producers(self) -> bool:
+        return self.producers is not None
+
+    def producers_of(self, items: list[_Queued]) -> dict[str, list[object]]:
+        return {"42": [self.producers, [[0, 0, items[0].base]]]}
+
+
 def test_a_node_objects_slices_are_the_segments_build_segment_makes():
-    """build_slices writes a flush's slices in one native call: each is
+    """assemble_node writes a flush's slices in one native call: each is
     byte for byte the segment build_segment makes of the same batches (less
-    its index), and its cache tables name every batch."""
+    its index), its manifest, cache entry and directory row say what it
+    holds, its cache tables name every batch, and each payload is released."""
     bs = batches(7)
     parts = [[(bs[0] + bs[1], 40), (bs[2], 46)], [(bs[3], 0)], [(bs[4], 9), (bs[5], 12), (bs[6], 15)]]
-    queued = [[SimpleNamespace(payload=memoryview(p), base=base) for p, base in slice_parts] for slice_parts in parts]
-    body, built = build_slices(queued, 1234)
+    logs = [_Log(topic="b", partition=3, producers=None), _Log(topic='a"\\', partition=0, producers=None),
+            _Log(topic="b", partition=1, producers=7)]
+    taken = [(lg, [_Queued(payload=memoryview(p), base=base) for p, base in slice_parts])
+             for lg, slice_parts in zip(logs, parts, strict=True)]
+    places: dict[str, int] = {}
+    body, slices, entries, rows = _native.assemble_node(taken, 1234, "k.kfn", places, SegmentManifest, Slice,
+                                                        json.dumps)
+    assert places == {"b": 0, 'a"\\': 1}
     pos = 0
-    for slice_parts, (at, size, base, last, count, min_ts, max_ts, tables) in zip(parts, built, strict=True):
+    for (lg, items), slice_parts, s, entry, row in zip(taken, parts, slices, entries, json.loads(f"[{rows.decode()}]"),
+                                                         strict=True):
         seg = build_segment(slice_parts, created_ms=1234)
-        assert (at, size) == (pos, len(seg.data)) and bytes(body[at:at + size]) == bytes(seg.data)
-        assert (base, last, count, min_ts, max_ts) == (seg.base_offset, seg.last_offset, seg.count,
-                                                       seg.min_timestamp, seg.max_timestamp)
-        cached = CachedSegment.from_tables(memoryview(body)[at:at + size], memoryview(tables))
+        m = s.manifest
+        assert s.log is lg and s.items is items and all(p.released == 1 for p in items)
+        assert (m.pos, m.size) == (pos, len(seg.data)) and bytes(body[pos:pos + m.size]) == bytes(seg.data)
+        assert (m.base, m.last, m.count, m.min_ts, m.max_ts, m.key, m.created_ms) == (
+            seg.base_offset, seg.last_offset, seg.count, seg.min_timestamp, seg.max_timestamp, "k.kfn", 1234)
+        assert m.producers == ({} if lg.producers is None else lg.producers_of(items))
+        assert row == [places[lg.topic], lg.partition, m.base, m.last, m.count, m.pos, m.size, m.min_ts, m.max_ts,
+                       *([m.producers] if m.producers else [])]
+        assert entry[:3] == (m.ref, m.pos, m.size)
+        cached = CachedSegment.from_tables(memoryview(body)[pos:pos + m.size], memoryview(entry[3]))
         assert list(cached.bases) == seg.batch_bases and list(cached.positions) == seg.positions
-        pos += size
+        pos += m.size
     assert len(body) == pos
-    with pytest.raises(_native.BatchError):  # a truncated batch: refused, never read past
-        build_slices([[SimpleNamespace(payload=memoryview(bs[0][:-5]), base=0)]], 0)
-    with pytest.raises(ValueError):
-        build_slices([[SimpleNamespace(payload=memoryview(b""), base=0)]], 0)
+    for payload in (bs[0][:-5], b""):  # a truncated batch, or none: refused, never read past
+        with pytest.raises((_native.BatchError, ValueError)):
+            _native.assemble_node([(logs[0], [_Queued(payload=memoryview(payload), base=0)])], 0, "k", {},
+                                  SegmentManifest, Slice, json.dumps)
 
 
 def test_index_bytes_and_lookup():
