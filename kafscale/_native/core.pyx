@@ -894,6 +894,35 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
     return data, slices, entries, rows
 
 
+def place_refs(refs, list entries, int64_t shift, int64_t floor):
+    """A shared cache's refs (broker/shm.py SharedCache.put_object) for
+    segments just copied into it: each entry (key, position, size, tables)
+    becomes refs[key], its position + shift and its size as native-endian
+    8-byte integers followed by its tables (shm.CacheRef), at the end of
+    refs (an OrderedDict, oldest first); then the oldest refs whose position
+    is below floor (overwritten since) go. Done in Python, a node object's
+    slice cost the log process 2.6-2.8 us here (1,000 slices an object)."""
+    cdef Py_ssize_t n
+    cdef int64_t head[2]
+    cdef bytes ref, tables
+    for key, pos, size, tables in entries:
+        n = len(tables)
+        ref = PyBytes_FromStringAndSize(NULL, 16 + n)
+        head[0], head[1] = <int64_t>pos + shift, size
+        memcpy(<char *>ref, head, 16)
+        memcpy(<char *>ref + 16, <const char *>tables, n)
+        if key in refs:
+            del refs[key]
+        refs[key] = ref
+    while refs:
+        key = next(iter(refs))
+        ref = refs[key]
+        memcpy(head, <const char *>ref, 8)
+        if head[0] >= floor:
+            break
+        del refs[key]
+
+
 def iter_records(BatchInfo batch, const uint8_t[::1] buf):
     """Decode the records of `batch` (found in `buf`), decompressing as needed.
 

@@ -109,15 +109,11 @@ class Ring:
 # tuple is tracked until a collection has looked at it, so each one counted
 # towards the next young collection and was scanned by it: such tuples were
 # half of what each young collection of the log process went through, each
-# holding the event loop for 25-45 ms (bench/README.md).
+# holding the event loop for 25-45 ms (bench/README.md). Made by
+# _native.place_refs (the tables: CachedSegment.tables, or a node slice's from
+# _native.assemble_node).
 CacheRef = bytes
 _REF = struct.Struct("=qq")
-
-
-def cache_ref(start: int, n: int, tables: bytes) -> CacheRef:
-    """A segment's entry: where it starts and its size, then its tables
-    (CachedSegment.tables, or a node slice's from _native.assemble_node)."""
-    return _REF.pack(start, n) + tables
 
 
 def ref_position(ref: CacheRef) -> int:
@@ -188,12 +184,7 @@ class SharedCache:
         self._head = end
         off = start % self.size
         self.data[off:off + total] = body[lo:hi]
-        for key, pos, n, tables in entries:
-            self.refs.pop(key, None)
-            self.refs[key] = cache_ref(start + pos - lo, n, tables)
-        floor = self._oldest_valid()
-        while self.refs and ref_position(next(iter(self.refs.values()))) < floor:
-            self.refs.popitem(last=False)
+        _native.place_refs(self.refs, entries, start - lo, self._oldest_valid())
         now = time.monotonic()
         if not self._marks or now - self._marks[-1][0] >= 1:
             self._marks.append((now, end))

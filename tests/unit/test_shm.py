@@ -129,6 +129,9 @@ def test_a_node_objects_slices_go_into_the_cache_back_to_back_or_not_at_all():
     reader.release(ref_position(ref_a))
     put_object(cache, ("d", 4, 100), ("e", 5, 200))
     assert [ref_position(cache.refs[k]) for k in ("d", "e")] == [1000, 1100] and "a" not in cache.refs
+    put_object(cache, ("d", 9, 100))  # a key again: its new place, and the last to be overwritten
+    assert list(cache.refs)[-2:] == ["e", "d"] and ref_position(cache.refs["d"]) == 1300
+    assert bytes(cache.get("d").data) == bytes([9]) * 100  # type: ignore[union-attr]
     # more than the cache holds together: each that fits goes alone, the later ones over the earlier
     put_object(cache, ("f", 6, 600), ("g", 7, 600), ("h", 8, 2000))
     assert "h" not in cache.refs and "f" not in cache.refs
