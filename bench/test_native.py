@@ -6,7 +6,8 @@ Each case records GB/s in extra_info; zlib.crc32 (CRC-32, not CRC32C) on the
 same bytes is the in-run baseline. The Produce request and response cases
 take the schema codec on the same message as theirs (one partition of one
 1 KiB record, v9, as librdkafka sends at many partitions). A node
-object's directory takes json.dumps of the same document."""
+object's directory takes json.dumps of the same document, and its
+slices assemble_segment copying the same batches into one segment."""
 from __future__ import annotations
 
 import functools
@@ -95,3 +96,42 @@ def test_node_directory_1000_slices(benchmark, native):
 
     assert directory(key, created, slices, ids) == dumps()
     benchmark(functools.partial(directory, key, created, slices, ids) if native else dumps)
+
+
+class _Queued:
+    """A queued batch as a node flush takes it (storage.partition._Pending)."""
+    __slots__ = ("base", "payload")
+
+    def __init__(self, payload: memoryview, base: int) -> None:
+        self.payload, self.base = payload, base
+
+    def done_with_payload(self) -> None:
+        pass
+
+
+class _Log:
+    """A partition log as a node flush sees it."""
+    __slots__ = ("partition", "topic")
+
+    def __init__(self, partition: int) -> None:
+        self.topic, self.partition = "orders", partition
+
+    def has_producers(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["assemble_node", "one_segment_copy_baseline"])
+def test_node_object_1000_slices(benchmark, native):
+    """A node object of 1,000 slices of one 2-record batch each (as at
+    1,000 partitions): the slices, their manifests, cache entries and
+    directory rows in one call, against assemble_segment copying the same
+    batches into one segment (the copy without the per-slice work)."""
+    batch = memoryview(_native.build_batch([(1_700_000_000_000, b"k", b"x" * 1024, [])] * 2))
+    taken = [(_Log(p), [_Queued(batch, 2 * p)]) for p in range(1000)]
+    parts = [(batch, 2 * p) for p in range(1000)]
+    if native:
+        benchmark(lambda: _native.assemble_node(taken, 1_700_000_001_000, "k.kfn", {}, SegmentManifest, Slice,
+                                                json.dumps))
+    else:
+        benchmark(_native.assemble_segment, parts, 1_700_000_001_000, 64 << 10)
+    benchmark.extra_info["us/slice"] = round(benchmark.stats.stats.mean * 1e3, 2)
