@@ -2,7 +2,8 @@
 // (acks=all, flushed every linger ms, partitions in turn) for bench/partitions.py
 // --client sarama, and reports each acknowledgement's latency. Like Kafka's Java
 // client, Sarama sends a broker one Produce request holding the batches of every
-// partition that has records (at most five requests in flight). Records wait
+// partition that has records; Debian's Sarama (1.22) sends a broker one request at
+// a time (its producer's bridge goroutine waits for each answer). Records wait
 // in a queue of the offer's own (as librdkafka's offer queues up to two million)
 // rather than in Sarama's channels: ChannelBufferSize sizes every one of them,
 // one per partition among them, and Sarama's default (256) is kept.
