@@ -1194,3 +1194,6 @@ def test_a_directory_reads_back_as_the_slices_it_lists() -> None:
         for t, tid, p, m in expected]}).encode()
     assert wal.slice_manifests(before_rows) == ("ns/wal/1-f/000000000007", expected)
     assert len(raw) < len(before_rows) / 2
+    # the collector's summary of either, its rows taken from the directory's as they are
+    summary = wal.summary("ns/wal/1-f/000000000007", False, [(t, tid, p, m.base, m.last) for t, tid, p, m in expected])
+    assert wal._summary(raw, False) == wal._summary(before_rows, False) == summary

@@ -200,15 +200,18 @@ def test_a_collector_pass_reads_the_states_written_since_the_last_and_decides_as
         read.clear()
         assert await collector.run() == 0, "partitions 2 and 3 still have slices in both node objects"
         assert sorted(read) == [b"0", b"1"]
+        # the next pass starts after the slices found done: partitions 0 and 1 of each node object
+        assert sorted(collector._done.values()) == [0, 2, 2]  # the shared object's first segment is live
         await share(n, flusher, logs[2:], seq=2)
         read.clear()
         assert await collector.run() == 2 and sorted(read) == [b"2", b"3"]
-        assert await n.meta.wal_keys() == []
+        assert await n.meta.wal_keys() == [] and sorted(collector._done.values()) == [0, 0]
         for lg in logs:
             await lg.close()
         await n.meta.delete_topic(TOPIC)
         assert await collector.run() == 2, "the deleted topic's shared objects are forgotten"
         assert await n.meta.wal_keys("shared") == [] and collector._marks == {}, "and its states dropped"
+        assert collector._done == {}
         await flusher.stop()
 
     run(go())
