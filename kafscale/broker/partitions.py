@@ -81,7 +81,9 @@ CLAIM_BATCHES_AT_ONCE = 4
 # hand-over transactions of up to HANDOVER_BATCH partitions each in flight at once: a broker with 10,000
 # partitions stopped with 10,001 etcd transactions, one a partition
 HANDOVER_BATCHES_AT_ONCE = 4
-RETENTION_TURN = 1000  # partitions the retention pass goes through before it lets other work run
+# partitions the retention pass goes through before it lets other work run (1,000 held the log process's
+# event loop about 10 ms a turn at 10,000 partitions, under load: bench/README.md, session 91)
+RETENTION_TURN = 250
 # after this many partitions opened, every object the cyclic collector tracks is frozen (gc.freeze: never
 # scanned again), so that open partitions' objects (about 15 each) are not scanned by every middle and full
 # collection: at 10,000 partitions the first middle collection after they opened held the log process for
