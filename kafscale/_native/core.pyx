@@ -181,10 +181,13 @@ cdef class RingReader:
 
     def hold(self, int64_t start, Py_ssize_t n):
         """track, with what releases the payload: (view, release())."""
-        return self.track(start, n), _Release(self, start)
+        return self._track(start, n), _release_of(self, start)
 
     def track(self, int64_t start, Py_ssize_t n):
         """Hold the payload the worker wrote at start (n bytes): a view of it."""
+        return self._track(start, n)
+
+    cdef object _track(self, int64_t start, Py_ssize_t n):
         cdef int64_t i, off = start % self.size
         if off + n > self.size or n < 0:
             raise ValueError(f"no payload of {n} bytes at {start}")
@@ -208,17 +211,51 @@ cdef class RingReader:
                                                   else self._end))
 
 
+def hold_produce(list calls, list readers, object refused):
+    """The requests of a worker's produce calls (messages.ProduceCall, in the
+    order it staged their payloads), each payload held in its ring: a list of
+    (acks, timeout_ms, transactional_id, [(topic, [(partition, payload)])])
+    where a payload is (view, release()) as RingReader.hold gives it, or what
+    refused(p) makes of a payload the worker refused (not a tuple). One call
+    for all: about 6,600 instructions a one-partition request fewer than the
+    same loops in Python (bench/README.md, session 92)."""
+    cdef list reqs = [], topics, parts
+    cdef RingReader reader
+    cdef Py_ssize_t slot
+    cdef int64_t start
+    for call in calls:
+        _, _, _, _, _, acks, timeout_ms, transactional_id, named = call
+        topics = []
+        for name, partitions in named:
+            parts = []
+            for index, payload in partitions:
+                if isinstance(payload, tuple):
+                    slot, start, n = payload
+                    if not 0 <= slot < len(readers):
+                        raise ValueError(f"no ring {slot}")
+                    reader = readers[slot]
+                    parts.append((index, (reader._track(start, n), _release_of(reader, start))))
+                else:
+                    parts.append((index, refused(payload)))
+            topics.append((name, parts))
+        reqs.append((acks, timeout_ms, transactional_id, topics))
+    return reqs
+
+
 cdef class _Release:
     """Releases one payload a RingReader holds, when called (a cheaper functools.partial)."""
     cdef RingReader reader
     cdef int64_t start
 
-    def __cinit__(self, RingReader reader, int64_t start):
-        self.reader = reader
-        self.start = start
-
     def __call__(self):
         self.reader.release(self.start)
+
+
+cdef inline _Release _release_of(RingReader reader, int64_t start):
+    """A _Release made without a Python call (its arguments parsed: a third of a hold)."""
+    cdef _Release r = _Release.__new__(_Release)
+    r.reader, r.start = reader, start
+    return r
 
 
 cdef uint32_t _crc(const uint8_t[::1] data, uint32_t crc, int force_sw):

@@ -14,11 +14,12 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kafscale import _native
 from kafscale.broker import messages
 from kafscale.broker.broker import Broker
 from kafscale.broker.context import RequestContext
 from kafscale.broker.ipc import Channel
-from kafscale.broker.produce_api import Accepted, ProduceRequest
+from kafscale.broker.produce_api import ProduceRequest
 from kafscale.broker.server import ProtocolViolation, call_handler, parse_header
 from kafscale.broker.shm import SharedArea, SharedCache
 from kafscale.metadata.store import SegmentManifest, has_partition
@@ -97,22 +98,13 @@ class LogService:
         other connections' produces do not wait for them, even while this one
         opens partitions."""
         conn, version, client_id, client_host, principal = msgs[0][:5]
-        reqs: list[ProduceRequest] = [
-            (acks, timeout_ms, transactional_id,
-             [(name, [(p, self._accept(payload)) for p, payload in parts]) for name, parts in topics])
-            for *_, acks, timeout_ms, transactional_id, topics in msgs]
+        reqs: list[ProduceRequest] = _native.hold_produce(msgs, self.trackers, _refused)
         order = self._append_orders.get((worker, conn))
         if order is None:
             order = self._append_orders[(worker, conn)] = asyncio.Lock()
         hdr = RequestContext(PRODUCE.key, version, 0, client_id, False, client_host, principal, append_order=order)
         return [messages.ProduceFailed(f"{type(r).__name__}: {r}") if isinstance(r, Exception) else r
                 for r in await self.broker.produce_api.produce_all(hdr, reqs)]
-
-    def _accept(self, payload: messages.RingPayload | messages.RejectedPayload) -> Accepted | LogError:
-        if isinstance(payload, messages.RejectedPayload):
-            return LogError(ErrorCode(payload.code), payload.message)
-        slot, start, length = payload
-        return self.trackers[slot].hold(start, length)
 
     async def _frames(self, msg: messages.Frames) -> list[messages.FrameResult]:
         """A connection's forwarded requests, taking effect in the order it
@@ -206,6 +198,11 @@ class LogService:
         for ch in list(self.channels):
             if not ch.closed:
                 ch.send_encoded(encoded)
+
+
+def _refused(payload: messages.RejectedPayload) -> LogError:
+    """A payload the worker refused, as the partition's error."""
+    return LogError(ErrorCode(payload.code), payload.message)
 
 
 async def _after(ready: asyncio.Event, before: asyncio.Task[messages.FrameResult]) -> None:

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from kafscale.broker import shm
+from kafscale import _native
+from kafscale.broker import messages, shm
 from kafscale.broker.shm import CacheReader, SharedArea, SharedCache, ref_position
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE
@@ -67,6 +68,36 @@ def test_a_ring_holds_any_number_of_payloads_and_its_tail_passes_only_released_o
     assert ring.in_use() == 0
     with pytest.raises(ValueError):
         tracker.track(ring.size - 10, 20)  # a payload never wraps
+
+
+def test_a_workers_produce_calls_are_held_in_the_order_their_payloads_were_staged():
+    """_native.hold_produce: what the log process makes of a worker's produce
+    calls: each request's (acks, timeout_ms, transactional_id, topics), each
+    payload held in its slot's ring (a view and its release) or refused."""
+    area = SharedArea(2, 1 << 16, 0)
+    trackers = [ring.reader() for ring in area.rings]
+    starts = [area.rings[i % 2].put(bytes([i]) * (10 + i)) for i in range(4)]
+    refused = messages.RejectedPayload(87, "too large")
+    calls: list[messages.ProduceCall] = [
+        (7, 9, "c", "/h", "User:u", -1, 30_000, None,
+         (("a", ((0, (0, starts[0], 10)), (3, refused))), ("b", ((1, (1, starts[1], 11)),)))),
+        (7, 9, "c", "/h", "User:u", 1, 5_000, "tx", (("a", ((2, (0, starts[2], 12)), (2, (1, starts[3], 13)))),))]
+    reqs = _native.hold_produce(calls, trackers, lambda p: ("refused", p.code, p.message))
+    assert [(acks, timeout, tid, [(name, [p for p, _ in parts]) for name, parts in topics])
+            for acks, timeout, tid, topics in reqs] == [
+        (-1, 30_000, None, [("a", [0, 3]), ("b", [1])]), (1, 5_000, "tx", [("a", [2, 2])])]
+    payloads = [payload for *_, topics in reqs for _, parts in topics for _, payload in parts]
+    assert payloads[1] == ("refused", 87, "too large")
+    held = [payloads[i] for i in (0, 2, 3, 4)]
+    assert [bytes(view) for view, _ in held] == [bytes([i]) * (10 + i) for i in range(4)]
+    assert [ring.in_use() for ring in area.rings] == [22, 24]
+    held[2][1]()  # ring 0's second payload: its tail waits for the first
+    assert area.rings[0].in_use() == 22
+    for _, release in held[:2]:
+        release()
+    assert [ring.in_use() for ring in area.rings] == [0, 13]
+    with pytest.raises(ValueError):
+        _native.hold_produce([(*calls[0][:8], (("a", ((0, (2, 0, 1)),)),))], trackers, lambda p: p)
 
 
 def segment(tag: int, n: int) -> CachedSegment:
