@@ -315,8 +315,9 @@ class ProduceApi(PartitionApi):
                             payload[1]()
                     yield
                 responses.append((name, parts))
-        finally:  # closed midway, or failed: what it did not reach goes back to its ring
-            _release(topic_data, i)
+        except BaseException:  # closed midway (GeneratorExit), or failed: what it did not reach goes back to its
+            _release(topic_data, i)  # ring (a request appended to its end has nothing left: no call for it)
+            raise
 
     def _start_opening(self, hdr: RequestContext, reqs: list[ProduceRequest]) -> None:
         """Start opening the partitions these requests may write to that are
