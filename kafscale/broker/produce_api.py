@@ -173,7 +173,8 @@ class ProduceApi(PartitionApi):
                         taken = i + 1  # _append releases what it does not append, also when closed midway
                         try:
                             for _ in appending:
-                                await turns.did()
+                                if turns.due():
+                                    await asyncio.sleep(0)
                         finally:
                             appending.close()
                         appended.append(answer)
