@@ -181,6 +181,9 @@ cdef class RingReader:
 
     def hold(self, int64_t start, Py_ssize_t n):
         """track, with what releases the payload: (view, release())."""
+        return self._hold(start, n)
+
+    cdef tuple _hold(self, int64_t start, Py_ssize_t n):
         return self._track(start, n), _release_of(self, start)
 
     def track(self, int64_t start, Py_ssize_t n):
@@ -234,7 +237,7 @@ def hold_produce(list calls, list readers, object refused):
                     if not 0 <= slot < len(readers):
                         raise ValueError(f"no ring {slot}")
                     reader = readers[slot]
-                    parts.append((index, (reader._track(start, n), _release_of(reader, start))))
+                    parts.append((index, reader._hold(start, n)))
                 else:
                     parts.append((index, refused(payload)))
             topics.append((name, parts))
