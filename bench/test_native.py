@@ -98,17 +98,6 @@ def test_node_directory_1000_slices(benchmark, native):
     benchmark(functools.partial(directory, key, created, slices, ids) if native else dumps)
 
 
-class _Queued:
-    """A queued batch as a node flush takes it (storage.partition._Pending)."""
-    __slots__ = ("base", "payload")
-
-    def __init__(self, payload: memoryview, base: int) -> None:
-        self.payload, self.base = payload, base
-
-    def done_with_payload(self) -> None:
-        pass
-
-
 class _Log:
     """A partition log as a node flush sees it."""
     __slots__ = ("partition", "topic")
@@ -127,7 +116,7 @@ def test_node_object_1000_slices(benchmark, native):
     directory rows in one call, against assemble_segment copying the same
     batches into one segment (the copy without the per-slice work)."""
     batch = memoryview(_native.build_batch([(1_700_000_000_000, b"k", b"x" * 1024, [])] * 2))
-    taken = [(_Log(p), [_Queued(batch, 2 * p)]) for p in range(1000)]
+    taken = [(_Log(p), [_native.Pending(batch, 2 * p, None, None)]) for p in range(1000)]
     parts = [(batch, 2 * p) for p in range(1000)]
     if native:
         benchmark(lambda: _native.assemble_node(taken, 1_700_000_001_000, "k.kfn", {}, SegmentManifest, Slice,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kafscale import _native, faults, metrics
+from kafscale._native import Pending
 from kafscale.config import Config
 from kafscale.metadata.store import Fenced, MetaStore, PartitionState, SegmentManifest
 from kafscale.protocol.errors import ErrorCode
@@ -82,25 +83,6 @@ Ack = tuple[Acknowledger, Any]
 HandOver = Callable[[str, int, bytes, PartitionState], Awaitable[bytes | None]]
 
 
-@dataclass(slots=True)  # one a produced batch: slots make it cheaper to make and to keep
-class _Pending:
-    payload: memoryview
-    base: int
-    acks: list[Ack] | None  # who waits for the batch (a retried duplicate adds its own)
-    release: Callable[[], None] | None  # hands the payload's memory back (a produce ring slot)
-    producer: tuple[int, int, int, int] | None = None  # idempotent: id, epoch, first and last sequence
-
-    def done_with_payload(self) -> None:
-        if self.release is not None:
-            self.release()
-            self.release = None
-
-    def answer(self, exc: LogError | None) -> None:
-        """Tell whoever waits that the batch is durable (exc None) or never will be."""
-        for who, token in self.acks or ():
-            who.answer(token, exc)
-
-
 @dataclass
 class _ProducerState:
     epoch: int
@@ -133,8 +115,8 @@ class PartitionLog(LogReader):
         self.next_offset = 0
         self.epoch = 0
         self._state_raw = b""
-        self._pending: list[_Pending] = []
-        self._inflight: list[_Pending] = []  # taken by the flushes under way, in offset order
+        self._pending: list[Pending] = []
+        self._inflight: list[Pending] = []  # taken by the flushes under way, in offset order
         self._pending_bytes = 0
         if node is None:  # the partition's own flush loop (node_flush off): not made for each of 10,000 partitions
             self._linger = Linger()
@@ -243,7 +225,7 @@ class PartitionLog(LogReader):
             last_seq = batches[-1].base_sequence + batches[-1].last_offset_delta
             producer = (first.producer_id, first.producer_epoch, first.base_sequence, last_seq)
             self._producers[first.producer_id].recent.append((first.base_sequence, last_seq, base))
-        self._pending.append(_Pending(payload, base, None if ack is None else [ack], release, producer))
+        self._pending.append(Pending(payload, base, None if ack is None else [ack], release, producer))
         self._pending_bytes += len(payload)
         if self.node is not None:
             self.node[0].notify(self, len(payload))
@@ -255,7 +237,7 @@ class PartitionLog(LogReader):
     def has_queued(self) -> bool:
         return bool(self._pending)
 
-    def take(self, limit: int) -> tuple[list[_Pending], int]:
+    def take(self, limit: int) -> tuple[list[Pending], int]:
         """Queued batches to flush (at least one, then up to limit bytes):
         them and their bytes. The node flusher takes them, or the log's own
         flush loop without node flushes."""
@@ -273,18 +255,18 @@ class PartitionLog(LogReader):
         return take, size
 
     @staticmethod
-    def producers_of(items: list[_Pending]) -> dict[str, list[Any]]:
+    def producers_of(items: list[Pending]) -> dict[str, list[Any]]:
         return producers_of(items)
 
     def has_producers(self) -> bool:
         """Whether an idempotent producer wrote here (within PRODUCER_EXPIRY_MS): else no batch queued has one."""
         return bool(self._producers)
 
-    def committed(self, manifest: SegmentManifest, items: list[_Pending]) -> None:
+    def committed(self, manifest: SegmentManifest, items: list[Pending]) -> None:
         """The node object holding these batches (a slice of it: manifest) is
         committed (and its slices are in the cache: NodeFlusher puts them all at once)."""
         self.add_segment(manifest)
-        self._sliced()
+        self.node[0].sliced[self] = None  # _sliced(), without its call: once a slice  # type: ignore[index]
         self.hw = manifest.last + 1
         self._resolve(items)
         self._on_change(self, manifest)
@@ -328,7 +310,7 @@ class PartitionLog(LogReader):
         # case without its calls: once a partition at every node commit, it cut a request of 100
         # partition batches by 3-5% of its instructions (bench/instructions.py logproc --spread 100).
         bases = self._bases
-        if self._is_slice(m) and (not bases or bases[-1] < m.base):
+        if m.pos >= 0 and m.base >= self.checkpoint and (not bases or bases[-1] < m.base):  # _is_slice(m)
             self.segments.append(m)
             bases.append(m.base)
             self._slice_count += 1
@@ -670,7 +652,7 @@ class PartitionLog(LogReader):
     async def _retry(self, what: str, step: Callable[[], Awaitable[None]]) -> None:
         await retry(f"{self.topic}/{self.partition}: {what}", step)
 
-    async def _flush(self, items: list[_Pending], prev: asyncio.Task[None] | None) -> None:
+    async def _flush(self, items: list[Pending], prev: asyncio.Task[None] | None) -> None:
         try:  # holds an upload slot (taken by _flush_loop) until the upload ends
             seg = build_segment([(p.payload, p.base) for p in items], int(time.time() * 1000))
             for p in items:
@@ -701,7 +683,7 @@ class PartitionLog(LogReader):
         self._resolve(items)
         self._on_change(self, manifest)
 
-    def _resolve(self, items: list[_Pending]) -> None:
+    def _resolve(self, items: list[Pending]) -> None:
         """These batches are durable: acknowledge them. They are the oldest in
         flight (taken in order, committed in order): the check of both ends
         stands for the whole run, else each is looked for."""
@@ -711,8 +693,7 @@ class PartitionLog(LogReader):
         else:
             done = {id(p) for p in items}
             self._inflight = [p for p in self._inflight if id(p) not in done]
-        for p in items:
-            p.answer(None)
+        _native.answer(items, None)
 
     async def _upload(self, key: str, data: bytearray, index: bytes, background: bool = False) -> None:
         """Write both objects once (the index only if the segment has one). The
@@ -803,7 +784,7 @@ class PartitionLog(LogReader):
                  len(drop), self.log_start)
 
 
-def producers_of(items: list[_Pending]) -> dict[str, list[Any]]:
+def producers_of(items: list[Pending]) -> dict[str, list[Any]]:
     """The idempotent producers' last batches among items, for a manifest."""
     out: dict[str, list[Any]] = {}
     for p in items:

@@ -41,8 +41,9 @@ from kafscale.storage.objectstore import ObjectExists, ObjectStore
 from kafscale.storage.segment import topic_marker_key
 
 if TYPE_CHECKING:
+    from kafscale._native import Pending
     from kafscale.broker.partitions import RecentCache
-    from kafscale.storage.partition import PartitionLog, _Pending
+    from kafscale.storage.partition import PartitionLog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,7 +97,7 @@ class Slice:
     is compacted from committed slices: none wait for it)."""
     log: PartitionLog
     manifest: SegmentManifest
-    items: list[_Pending]
+    items: list[Pending]
 
 
 _dumps = functools.partial(json.dumps, separators=(",", ":"))
@@ -414,7 +415,7 @@ class NodeFlusher:
         while holding := [t for t, logs in self._flushes.items() if lg in logs]:
             await asyncio.wait(holding)
 
-    def _take(self) -> list[tuple[PartitionLog, list[_Pending]]]:
+    def _take(self) -> list[tuple[PartitionLog, list[Pending]]]:
         """Queued batches of up to MAX_SLICES partitions and about flush_bytes, in queue order."""
         limit, taken, size = self.cfg.flush_bytes, [], 0
         for lg in list(self.queued):
@@ -467,7 +468,7 @@ class NodeFlusher:
                 lg.flush_failed()
             asyncio.get_running_loop().create_task(self.on_fenced(fence))
 
-    async def _flush(self, taken: list[tuple[PartitionLog, list[_Pending]]], seq: int, queued_at: float) -> None:
+    async def _flush(self, taken: list[tuple[PartitionLog, list[Pending]]], seq: int, queued_at: float) -> None:
         """Build and upload node object seq, then wait for its commit (in seq
         order, possibly in one transaction with the objects uploaded while an
         earlier commit was under way). queued_at: time.monotonic() when its

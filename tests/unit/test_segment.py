@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from kafscale import _native
+from kafscale._native import Pending
 from kafscale.metadata.store import SegmentManifest
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.segment import (
@@ -66,19 +67,16 @@ def test_a_malformed_payload_builds_no_segment():
         build_segment([(b"", 0)], created_ms=0)
 
 
-class _Queued(SimpleNamespace):
-    """A queued batch as a node flush takes it: its payload is released once copied."""
-    released = 0
-
-    def done_with_payload(self) -> None:
-        self.released += 1
+def _queued(payload: bytes, base: int, released: list[int]) -> Pending:
+    """A batch queued as a node flush takes it: its release (once copied) is counted in `released`."""
+    return Pending(memoryview(payload), base, None, lambda: released.append(base))
 
 
 class _Log(SimpleNamespace):
     def has_producers(self) -> bool:
         return self.producers is not None
 
-    def producers_of(self, items: list[_Queued]) -> dict[str, list[object]]:
+    def producers_of(self, items: list[Pending]) -> dict[str, list[object]]:
         return {"42": [self.producers, [[0, 0, items[0].base]]]}
 
 
@@ -91,7 +89,8 @@ def test_a_node_objects_slices_are_the_segments_build_segment_makes():
     parts = [[(bs[0] + bs[1], 40), (bs[2], 46)], [(bs[3], 0)], [(bs[4], 9), (bs[5], 12), (bs[6], 15)]]
     logs = [_Log(topic="b", partition=3, producers=None), _Log(topic='a"\\', partition=0, producers=None),
             _Log(topic="b", partition=1, producers=7)]
-    taken = [(lg, [_Queued(payload=memoryview(p), base=base) for p, base in slice_parts])
+    released: list[int] = []
+    taken = [(lg, [_queued(p, base, released) for p, base in slice_parts])
              for lg, slice_parts in zip(logs, parts, strict=True)]
     places: dict[str, int] = {}
     body, slices, entries, rows = _native.assemble_node(taken, 1234, "k.kfn", places, SegmentManifest, Slice,
@@ -102,7 +101,7 @@ def test_a_node_objects_slices_are_the_segments_build_segment_makes():
                                                          strict=True):
         seg = build_segment(slice_parts, created_ms=1234)
         m = s.manifest
-        assert s.log is lg and s.items is items and all(p.released == 1 for p in items)
+        assert s.log is lg and s.items is items and all(p.release is None for p in items)
         assert (m.pos, m.size) == (pos, len(seg.data)) and bytes(body[pos:pos + m.size]) == bytes(seg.data)
         assert (m.base, m.last, m.count, m.min_ts, m.max_ts, m.key, m.created_ms) == (
             seg.base_offset, seg.last_offset, seg.count, seg.min_timestamp, seg.max_timestamp, "k.kfn", 1234)
@@ -114,10 +113,11 @@ def test_a_node_objects_slices_are_the_segments_build_segment_makes():
         assert list(cached.bases) == seg.batch_bases and list(cached.positions) == seg.positions
         pos += m.size
     assert len(body) == pos
+    assert sorted(released) == sorted(base for slice_parts in parts for _, base in slice_parts)  # each once
     # a truncated batch (refused, never read past), or none
     for payload, refused in ((bs[0][:-5], _native.BatchError), (b"", ValueError)):
         with pytest.raises(refused):
-            _native.assemble_node([(logs[0], [_Queued(payload=memoryview(payload), base=0)])], 0, "k", {},
+            _native.assemble_node([(logs[0], [_queued(payload, 0, [])])], 0, "k", {},
                                   SegmentManifest, Slice, json.dumps)
 
 
