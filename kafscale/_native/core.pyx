@@ -723,9 +723,9 @@ cdef Py_ssize_t _place_batches(uint8_t *d, Py_ssize_t pos, object payload, int64
     in (from `base` on) and its leader epoch zeroed; appends each one's
     position (from `origin`) and base offset; returns where they end. The
     payload's bytes are taken through the buffer protocol and each header is
-    read in place: a typed memoryview made an object a payload and
-    read_header a BatchInfo a batch, a fifth of a node object's build at
-    1,000 partitions."""
+    read in place: with a typed memoryview (an object a payload) and
+    read_header (a BatchInfo a batch), assemble_segment of 1,000 one-batch
+    parts took 397 us, 290 without (bench/README.md, session 93)."""
     cdef Py_buffer view
     cdef uint8_t *b
     cdef Py_ssize_t n, at = 0, size
@@ -909,12 +909,14 @@ cdef class Pending:
     """One produce's batches queued in a partition log (storage/partition.py)
     until the object holding them is durable: their bytes (`payload`, one or
     more batches back to back), the `base` offset assigned to them, who waits
-    for them (`acks`: (who, token) pairs, who.answer(token, exc); None: nobody,
-    acks=0), what hands the payload's memory back (`release`: a produce ring
-    slot; None once done) and, from an idempotent producer, (id, epoch, first
-    and last sequence) as `producer`. Native, as one is made, copied, released
-    and answered for every partition batch: as a Python dataclass these were
-    a tenth of a request's work at 1,000 partitions."""
+    for them (`acks`: (who, token) pairs, who.answer(token, exc), a retried
+    duplicate adding its own; None: nobody, acks=0), what hands the payload's
+    memory back (`release`: a produce ring slot; None once done) and, from an
+    idempotent producer, (id, epoch, first and last sequence) as `producer`.
+    Native, as one is made, copied, released and answered for every
+    partition batch: as a Python dataclass with Python methods these were
+    about 5% of a request's instructions at 1,000 partitions
+    (bench/README.md, session 93)."""
     cdef public object payload
     cdef public int64_t base
     cdef public object acks
