@@ -45,6 +45,12 @@ UNSUPPORTED_COMPRESSION_TYPE = 76
 
 BATCH_HEADER_SIZE = 61
 LOG_OVERHEAD = 12  # baseOffset + batchLength
+# where a v2 batch header's fields that a segment's build reads lie, from the batch's start
+cdef enum:
+    LAST_OFFSET_DELTA_AT = 23
+    BASE_TIMESTAMP_AT = 27
+    MAX_TIMESTAMP_AT = 35
+    RECORD_COUNT_AT = 57
 
 # The .kfs segment, written only here (assemble_segment, assemble_node) and
 # parsed by storage/segment.py (docs/segment-format.md): a header of magic
@@ -591,13 +597,13 @@ cdef BatchInfo read_header(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, bin
     b.base_offset = rd_i64(p + pos)
     b.crc = <uint32_t>rd_i32(p + pos + 17)
     b.attributes = rd_i16(p + pos + 21)
-    b.last_offset_delta = rd_i32(p + pos + 23)
-    b.base_timestamp = rd_i64(p + pos + 27)
-    b.max_timestamp = rd_i64(p + pos + 35)
+    b.last_offset_delta = rd_i32(p + pos + LAST_OFFSET_DELTA_AT)
+    b.base_timestamp = rd_i64(p + pos + BASE_TIMESTAMP_AT)
+    b.max_timestamp = rd_i64(p + pos + MAX_TIMESTAMP_AT)
     b.producer_id = rd_i64(p + pos + 43)
     b.producer_epoch = rd_i16(p + pos + 51)
     b.base_sequence = rd_i32(p + pos + 53)
-    b.record_count = rd_i32(p + pos + 57)
+    b.record_count = rd_i32(p + pos + RECORD_COUNT_AT)
     if verify:
         with nogil:
             actual = ks_crc32c(0, p + pos + 21, b.size - 21, 0)
@@ -693,7 +699,7 @@ def set_max_timestamp(uint8_t[::1] buf, BatchInfo b):
 
 cdef void _write_max_timestamp(uint8_t *p, BatchInfo b) noexcept:
     """b.max_timestamp into the batch header at p, and its CRC32C again."""
-    wr_i64(p + 35, b.max_timestamp)
+    wr_i64(p + MAX_TIMESTAMP_AT, b.max_timestamp)
     cdef uint32_t crc
     with nogil:
         crc = ks_crc32c(0, p + 21, b.size - 21, 0)
@@ -744,14 +750,14 @@ cdef Py_ssize_t _place_batches(uint8_t *d, Py_ssize_t pos, object payload, int64
         wr_i32(b + 12, 0)
         positions.append(pos + at - origin)
         bases.append(base)
-        st.count += rd_i32(b + 57)
-        ts = rd_i64(b + 27)
+        st.count += rd_i32(b + RECORD_COUNT_AT)
+        ts = rd_i64(b + BASE_TIMESTAMP_AT)
         if ts < st.min_ts:
             st.min_ts = ts
-        ts = rd_i64(b + 35)
+        ts = rd_i64(b + MAX_TIMESTAMP_AT)
         if ts > st.max_ts:
             st.max_ts = ts
-        st.last_offset = base + rd_i32(b + 23)
+        st.last_offset = base + rd_i32(b + LAST_OFFSET_DELTA_AT)
         base = st.last_offset + 1
         at += size
     return pos + n
@@ -929,9 +935,7 @@ cdef class Pending:
     cpdef done_with_payload(self):
         """Hand the payload's memory back (once: later calls do nothing)."""
         release, self.release = self.release, None
-        if type(release) is _Release:
-            (<_Release>release).reader.release((<_Release>release).start)
-        elif release is not None:
+        if release is not None:
             release()
 
     cpdef answer(self, exc):

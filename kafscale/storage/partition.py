@@ -266,7 +266,7 @@ class PartitionLog(LogReader):
         """The node object holding these batches (a slice of it: manifest) is
         committed (and its slices are in the cache: NodeFlusher puts them all at once)."""
         self.add_segment(manifest)
-        self.node[0].sliced[self] = None  # _sliced(), without its call: once a slice  # type: ignore[index]
+        self._sliced()
         self.hw = manifest.last + 1
         self._resolve(items)
         self._on_change(self, manifest)
@@ -310,7 +310,7 @@ class PartitionLog(LogReader):
         # case without its calls: once a partition at every node commit, it cut a request of 100
         # partition batches by 3-5% of its instructions (bench/instructions.py logproc --spread 100).
         bases = self._bases
-        if m.pos >= 0 and m.base >= self.checkpoint and (not bases or bases[-1] < m.base):  # _is_slice(m)
+        if self._is_slice(m) and (not bases or bases[-1] < m.base):
             self.segments.append(m)
             bases.append(m.base)
             self._slice_count += 1
