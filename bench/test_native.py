@@ -105,9 +105,6 @@ class _Log:
     def __init__(self, partition: int) -> None:
         self.topic, self.partition = "orders", partition
 
-    def has_producers(self) -> bool:
-        return False
-
 
 @pytest.mark.parametrize("native", [True, False], ids=["assemble_node", "one_segment_copy_baseline"])
 def test_node_object_1000_slices(benchmark, native):

@@ -24,6 +24,7 @@ from kafscale._native.core import (
     atomic_load,
     atomic_store,
     build_batch,
+    cached_batches,
     compress,
     crc32c,
     crc32c_portable,

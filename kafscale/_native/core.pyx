@@ -14,10 +14,12 @@ does.
 """
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AsString, PyBytes_FromStringAndSize
+from cpython.dict cimport PyDict_GetItemWithError
+from cpython.ref cimport PyObject
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport INT32_MAX, INT64_MIN, uint8_t, uint32_t, int64_t, uint64_t, int32_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
 import zlib
@@ -723,15 +725,41 @@ cdef struct _SegStats:
     int64_t last_offset
 
 
+cdef struct _Tab:
+    int64_t *bases  # of each batch placed, its base offset
+    int64_t *positions  # and its position (from the segment's start)
+    Py_ssize_t n, cap
+
+
+cdef int _tab_add(_Tab *t, int64_t base, int64_t position) except -1:
+    cdef Py_ssize_t cap
+    cdef int64_t *grown
+    if t.n == t.cap:
+        cap = max(2 * t.cap, 16)
+        grown = <int64_t *>realloc(t.bases, cap * sizeof(int64_t))
+        if grown == NULL:
+            raise MemoryError()
+        t.bases = grown
+        grown = <int64_t *>realloc(t.positions, cap * sizeof(int64_t))
+        if grown == NULL:
+            raise MemoryError()
+        t.positions, t.cap = grown, cap
+    t.bases[t.n], t.positions[t.n] = base, position
+    t.n += 1
+    return 0
+
+
 cdef Py_ssize_t _place_batches(uint8_t *d, Py_ssize_t pos, object payload, int64_t base, Py_ssize_t origin,
-                               _SegStats *st, list positions, list bases) except -1:
+                               _SegStats *st, _Tab *tab) except -1:
     """Copy a payload's batches to d + pos, each with its base offset patched
-    in (from `base` on) and its leader epoch zeroed; appends each one's
-    position (from `origin`) and base offset; returns where they end. The
+    in (from `base` on) and its leader epoch zeroed; adds each one's base
+    offset and position (from `origin`) to tab; returns where they end. The
     payload's bytes are taken through the buffer protocol and each header is
     read in place: with a typed memoryview (an object a payload) and
     read_header (a BatchInfo a batch), assemble_segment of 1,000 one-batch
-    parts took 397 us, 290 without (bench/README.md, session 93)."""
+    parts took 397 us, 290 without (bench/README.md, session 93). The tables
+    are C arrays, not lists of Python ints (assemble_node of 1,000 slices
+    1,565 -> 1,533 us, session 94)."""
     cdef Py_buffer view
     cdef uint8_t *b
     cdef Py_ssize_t n, at = 0, size
@@ -748,8 +776,7 @@ cdef Py_ssize_t _place_batches(uint8_t *d, Py_ssize_t pos, object payload, int64
         b = d + pos + at
         wr_i64(b, base)
         wr_i32(b + 12, 0)
-        positions.append(pos + at - origin)
-        bases.append(base)
+        _tab_add(tab, base, pos + at - origin)
         st.count += rd_i32(b + RECORD_COUNT_AT)
         ts = rd_i64(b + BASE_TIMESTAMP_AT)
         if ts < st.min_ts:
@@ -795,42 +822,46 @@ def assemble_segment(list parts, int64_t created_ms, Py_ssize_t index_interval):
     batch positions, batch base offsets, index entries, records, smallest
     base timestamp, largest max timestamp, last offset); with no batches at
     all, the buffer holds no header or footer and the positions are empty."""
-    cdef Py_ssize_t total = 0, pos = KFS_HEADER, last_indexed = -index_interval, bpos, i
+    cdef Py_ssize_t total = 0, pos = KFS_HEADER, last_indexed = -index_interval, i
     cdef _SegStats st
+    cdef _Tab tab = _Tab(NULL, NULL, 0, 0)
     cdef uint8_t *d
     cdef uint8_t entry[12]
-    cdef int64_t first
     _start_stats(&st)
     for payload, base_obj in parts:
         total += len(payload)
     data = bytearray(KFS_HEADER + total + KFS_FOOTER)
     d = <uint8_t *>PyByteArray_AS_STRING(data)
-    positions, bases, entries = [], [], bytearray()
-    for payload, base_obj in parts:
-        pos = _place_batches(d, pos, payload, base_obj, 0, &st, positions, bases)
-    for i in range(len(positions)):
-        bpos = positions[i]
-        if bpos - last_indexed >= index_interval:
-            wr_i64(entry, bases[i])
-            wr_i32(entry + 8, <int32_t>bpos)
-            entries += entry[:12]
-            last_indexed = bpos
-    if bases:
-        first = bases[0]
-        with nogil:
-            _seal_segment(d, pos, &st, first, created_ms)
-    return data, positions, bases, bytes(entries), st.count, st.min_ts, st.max_ts, st.last_offset
+    entries = bytearray()
+    try:
+        for payload, base_obj in parts:
+            pos = _place_batches(d, pos, payload, base_obj, 0, &st, &tab)
+        for i in range(tab.n):
+            if tab.positions[i] - last_indexed >= index_interval:
+                wr_i64(entry, tab.bases[i])
+                wr_i32(entry + 8, <int32_t>tab.positions[i])
+                entries += entry[:12]
+                last_indexed = tab.positions[i]
+        if tab.n:
+            with nogil:
+                _seal_segment(d, pos, &st, tab.bases[0], created_ms)
+        return (data, [tab.positions[i] for i in range(tab.n)], [tab.bases[i] for i in range(tab.n)], bytes(entries),
+                st.count, st.min_ts, st.max_ts, st.last_offset)
+    finally:
+        _tab_free(&tab)
 
 
-cdef bytes _tables(list bases, list positions):
+cdef void _tab_free(_Tab *t) noexcept:
+    free(t.bases)
+    free(t.positions)
+
+
+cdef bytes _tables(const _Tab *t):
     """A cache entry's tables (shm.CacheRef): every base offset, then every
     position, as native-endian 8-byte integers."""
-    cdef Py_ssize_t n = len(bases), i
-    out = PyBytes_FromStringAndSize(NULL, 16 * n)
-    cdef int64_t *t = <int64_t *>(<char *>out)
-    for i in range(n):
-        t[i] = bases[i]
-        t[n + i] = positions[i]
+    out = PyBytes_FromStringAndSize(NULL, 16 * t.n)
+    memcpy(<char *>out, t.bases, 8 * t.n)
+    memcpy(<char *>out + 8 * t.n, t.positions, 8 * t.n)
     return out
 
 
@@ -958,8 +989,9 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
     besides, in one call (built slice by slice, the per-slice work was a
     third of the log process's at 1,000 partitions). `taken` holds a
     (log, items) pair a slice: items are Pending (their payloads are handed
-    back once copied); a log has `topic`, `partition`,
-    has_producers() and producers_of(items). Of each slice, piece(log,
+    back once copied); a log has `topic`, `partition` and
+    producers_of(items), called for a slice's manifest only when an
+    idempotent producer wrote one of its batches. Of each slice, piece(log,
     its manifest, items) (wal.Slice) goes in the slices returned, its
     manifest being manifest(base, last, count, size, min_ts, max_ts, key,
     created_ms, producers, pos) (SegmentManifest); its cache entry (ref
@@ -971,10 +1003,11 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
     entries, rows)."""
     cdef Py_ssize_t total = 0, pos = 0, start, used = 0
     cdef _SegStats st
+    cdef _Tab tab = _Tab(NULL, NULL, 0, 0)
     cdef uint8_t *d
-    cdef int64_t first
     cdef int64_t vals[9]
     cdef Pending p
+    cdef bint idempotent
     for lg, items in taken:
         total += KFS_HEADER + KFS_FOOTER
         for p in items:
@@ -982,28 +1015,32 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
     data = bytearray(total)
     d = <uint8_t *>PyByteArray_AS_STRING(data)
     slices, entries, rows = [], [], bytearray(200 * len(taken))
-    for lg, items in taken:
-        start = pos
-        pos += KFS_HEADER
-        _start_stats(&st)
-        positions, bases = [], []
-        for p in items:
-            pos = _place_batches(d, pos, p.payload, p.base, start, &st, positions, bases)
-        if not bases:
-            raise ValueError("a slice needs at least one batch")
-        first = bases[0]
-        with nogil:
-            _seal_segment(d + start, pos - start, &st, first, created_ms)
-        pos += KFS_FOOTER
-        for p in items:
-            p.done_with_payload()
-        producers = lg.producers_of(items) if lg.has_producers() else {}
-        slices.append(piece(lg, manifest(first, st.last_offset, st.count, pos - start, st.min_ts, st.max_ts, key,
-                                         created_ms, producers, start), items))
-        entries.append((f"{key}#{start}", start, pos - start, _tables(bases, positions)))
-        vals[0], vals[1], vals[2], vals[3] = _place(places, lg.topic), lg.partition, first, st.last_offset
-        vals[4], vals[5], vals[6], vals[7], vals[8] = st.count, start, pos - start, st.min_ts, st.max_ts
-        used = _put_row(rows, used, vals, dumps(producers).encode() if producers else b"")
+    try:
+        for lg, items in taken:
+            start = pos
+            pos += KFS_HEADER
+            _start_stats(&st)
+            tab.n = 0
+            idempotent = False
+            for p in items:
+                pos = _place_batches(d, pos, p.payload, p.base, start, &st, &tab)
+                idempotent = idempotent or p.producer is not None
+            if not tab.n:
+                raise ValueError("a slice needs at least one batch")
+            with nogil:
+                _seal_segment(d + start, pos - start, &st, tab.bases[0], created_ms)
+            pos += KFS_FOOTER
+            for p in items:
+                p.done_with_payload()
+            producers = lg.producers_of(items) if idempotent else {}
+            slices.append(piece(lg, manifest(tab.bases[0], st.last_offset, st.count, pos - start, st.min_ts,
+                                             st.max_ts, key, created_ms, producers, start), items))
+            entries.append((f"{key}#{start}", start, pos - start, _tables(&tab)))
+            vals[0], vals[1], vals[2], vals[3] = _place(places, lg.topic), lg.partition, tab.bases[0], st.last_offset
+            vals[4], vals[5], vals[6], vals[7], vals[8] = st.count, start, pos - start, st.min_ts, st.max_ts
+            used = _put_row(rows, used, vals, dumps(producers).encode() if producers else b"")
+    finally:
+        _tab_free(&tab)
     PyByteArray_Resize(rows, used)
     return data, slices, entries, rows
 
@@ -1036,6 +1073,32 @@ def place_refs(refs, list entries, int64_t shift, int64_t floor):
         if head[0] >= floor:
             break
         del refs[key]
+
+
+def cached_batches(refs, keys, int64_t floor, data, Py_ssize_t size):
+    """SharedCache.batches: of each key, the batches of the segment its ref
+    (place_refs) names in the ring `data` of `size` bytes, header and footer
+    left out, or None (not cached, or overwritten: at a position below
+    floor). In Python this loop was about 1.5% of the log process's
+    instructions at 1,000 partitions (bench/README.md, session 94)."""
+    cdef list found = []
+    cdef int64_t head[2]
+    cdef Py_ssize_t off
+    cdef PyObject *ref
+    if not isinstance(refs, dict):
+        raise TypeError("refs must be a dict")
+    for key in keys:
+        ref = PyDict_GetItemWithError(refs, key)  # an OrderedDict's items are its dict's
+        if ref == NULL:
+            found.append(None)
+            continue
+        memcpy(head, PyBytes_AsString(<object>ref), 16)
+        if head[0] < floor:
+            found.append(None)
+            continue
+        off = head[0] % size
+        found.append(data[off + KFS_HEADER:off + head[1] - KFS_FOOTER])
+    return found
 
 
 def iter_records(BatchInfo batch, const uint8_t[::1] buf):

@@ -41,7 +41,6 @@ from collections.abc import Iterable
 
 from kafscale import _native
 from kafscale.storage.cache import CachedSegment
-from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE
 
 NONE = 2**64 - 1
 _RING_HEADER = 64  # head u64 at 0 (worker), tail u64 at 8 (log process)
@@ -224,17 +223,7 @@ class SharedCache:
         compaction takes a partition's slices, about a thousand at 20,000
         records/s over 100 partitions; a lookup each through ref() took 0.91
         µs a slice, one call for them all 0.46 (bench/README.md, session 80)."""
-        floor, refs, data, size = self._oldest_valid(), self.refs, self.data, self.size
-        found: list[memoryview | None] = []
-        for key in keys:
-            ref = refs.get(key)
-            if ref is None:
-                found.append(None)
-                continue
-            pos, n = _REF.unpack_from(ref)
-            off = pos % size
-            found.append(None if pos < floor else data[off + HEADER_SIZE:off + n - FOOTER_SIZE])
-        return found
+        return _native.cached_batches(self.refs, keys, self._oldest_valid(), self.data, self.size)
 
     def drop_prefix(self, prefix: str) -> None:
         for key in [k for k in self.refs if k.startswith(prefix)]:

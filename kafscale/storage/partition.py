@@ -258,10 +258,6 @@ class PartitionLog(LogReader):
     def producers_of(items: list[Pending]) -> dict[str, list[Any]]:
         return producers_of(items)
 
-    def has_producers(self) -> bool:
-        """Whether an idempotent producer wrote here (within PRODUCER_EXPIRY_MS): else no batch queued has one."""
-        return bool(self._producers)
-
     def committed(self, manifest: SegmentManifest, items: list[Pending]) -> None:
         """The node object holding these batches (a slice of it: manifest) is
         committed (and its slices are in the cache: NodeFlusher puts them all at once)."""

@@ -11,6 +11,7 @@ from kafscale import _native
 from kafscale._native import Pending
 from kafscale.metadata.store import SegmentManifest
 from kafscale.storage.cache import CachedSegment
+from kafscale.storage.partition import producers_of
 from kafscale.storage.segment import (
     FOOTER,
     HEADER,
@@ -67,17 +68,14 @@ def test_a_malformed_payload_builds_no_segment():
         build_segment([(b"", 0)], created_ms=0)
 
 
-def _queued(payload: bytes, base: int, released: list[int]) -> Pending:
+def _queued(payload: bytes, base: int, released: list[int], producer: tuple[int, int, int, int] | None = None
+            ) -> Pending:
     """A batch queued as a node flush takes it: its release (once copied) is counted in `released`."""
-    return Pending(memoryview(payload), base, None, lambda: released.append(base))
+    return Pending(memoryview(payload), base, None, lambda: released.append(base), producer)
 
 
 class _Log(SimpleNamespace):
-    def has_producers(self) -> bool:
-        return self.producers is not None
-
-    def producers_of(self, items: list[Pending]) -> dict[str, list[object]]:
-        return {"42": [self.producers, [[0, 0, items[0].base]]]}
+    producers_of = staticmethod(producers_of)
 
 
 def test_a_node_objects_slices_are_the_segments_build_segment_makes():
@@ -87,25 +85,26 @@ def test_a_node_objects_slices_are_the_segments_build_segment_makes():
     holds, its cache tables name every batch, and each payload is released."""
     bs = batches(7)
     parts = [[(bs[0] + bs[1], 40), (bs[2], 46)], [(bs[3], 0)], [(bs[4], 9), (bs[5], 12), (bs[6], 15)]]
-    logs = [_Log(topic="b", partition=3, producers=None), _Log(topic='a"\\', partition=0, producers=None),
-            _Log(topic="b", partition=1, producers=7)]
+    logs = [_Log(topic="b", partition=3), _Log(topic='a"\\', partition=0), _Log(topic="b", partition=1)]
+    producer = [None, None, (42, 7, 0, 0)]  # the last slice's first batch an idempotent producer's
     released: list[int] = []
-    taken = [(lg, [_queued(p, base, released) for p, base in slice_parts])
-             for lg, slice_parts in zip(logs, parts, strict=True)]
+    taken = [(lg, [_queued(p, base, released, producer[i] if j == 0 else None)
+                   for j, (p, base) in enumerate(slice_parts)])
+             for i, (lg, slice_parts) in enumerate(zip(logs, parts, strict=True))]
     places: dict[str, int] = {}
     body, slices, entries, rows = _native.assemble_node(taken, 1234, "k.kfn", places, SegmentManifest, Slice,
                                                         json.dumps)
     assert places == {"b": 0, 'a"\\': 1}
     pos = 0
-    for (lg, items), slice_parts, s, entry, row in zip(taken, parts, slices, entries, json.loads(f"[{rows.decode()}]"),
-                                                         strict=True):
+    for i, ((lg, items), slice_parts, s, entry, row) in enumerate(zip(
+            taken, parts, slices, entries, json.loads(f"[{rows.decode()}]"), strict=True)):
         seg = build_segment(slice_parts, created_ms=1234)
         m = s.manifest
         assert s.log is lg and s.items is items and all(p.release is None for p in items)
         assert (m.pos, m.size) == (pos, len(seg.data)) and bytes(body[pos:pos + m.size]) == bytes(seg.data)
         assert (m.base, m.last, m.count, m.min_ts, m.max_ts, m.key, m.created_ms) == (
             seg.base_offset, seg.last_offset, seg.count, seg.min_timestamp, seg.max_timestamp, "k.kfn", 1234)
-        assert m.producers == ({} if lg.producers is None else lg.producers_of(items))
+        assert m.producers == ({} if producer[i] is None else {"42": [7, [[0, 0, items[0].base]]]})
         assert row == [places[lg.topic], lg.partition, m.base, m.last, m.count, m.pos, m.size, m.min_ts, m.max_ts,
                        *([m.producers] if m.producers else [])]
         assert entry[:3] == (m.ref, m.pos, m.size)
