@@ -404,11 +404,12 @@ class NodeFlusher:
 
     def notify(self, lg: PartitionLog, n: int) -> None:
         """A log queued n more bytes."""
+        if not self.queued:  # else the flush loop is awake already (_take clears it only with nothing queued)
+            self._wake.set()
         if not self.queued_bytes:
             self._linger.queued()
         self.queued[lg] = None
         self.queued_bytes += n
-        self._wake.set()
 
     async def settled(self, lg: PartitionLog) -> None:
         """Wait until no object being flushed holds data of lg (committed or failed)."""
@@ -546,14 +547,12 @@ class NodeFlusher:
                 return
             faults.reached("after-commit")
             self._committed = group[-1][0]
-            turns = Turns(COMMITTED_TURN)  # the acknowledgements so far go out first
             for _, (_, slices, (body, cached), fut) in group:
                 try:
                     self.cache.put_object(body, cached)
-                    for s in slices:
-                        s.log.committed(s.manifest, s.items)
-                        if turns.due():
-                            await asyncio.sleep(0)
+                    async for chunk in in_turns(slices, COMMITTED_TURN):  # the acknowledgements so far go out first
+                        for s in chunk:
+                            s.log.committed(s.manifest, s.items)
                 except Exception as exc:  # a bug: the flush fails (and the node re-fences), never hangs
                     fut.set_exception(exc)
                 else:
