@@ -19,7 +19,7 @@ from kafscale.protocol import schemas
 from kafscale.protocol.errors import NO_TRANSACTIONS, ErrorCode
 from kafscale.protocol.framing import ProduceAnswer
 from kafscale.security.acl import CLUSTER, Operation, ResourceType
-from kafscale.storage.partition import Ack, LogError, PartitionLog
+from kafscale.storage.partition import LogError, PartitionLog
 from kafscale.storage.wal import Turns
 
 log = logging.getLogger(__name__)
@@ -76,47 +76,28 @@ class Deadlines:
                         w.set_result(None)
 
 
-class Acks:
+class Acks(_native.AckSet):
     """The partition responses of a call's produce requests (those of one
     timeout_ms) that wait for their batches' durability, and one future for
-    all of them (an Acknowledger to their logs). A batch durable leaves its
-    response as appended (with its base offset); a failed one gets its error.
-    A future per batch, with a callback each to count them down, cost the log
-    process a loop callback per batch (librdkafka sends one partition a
-    request; a connection's requests of one pass come as one call)."""
-    __slots__ = ("_left", "_waiter")
+    all of them (an Acknowledger to their logs; expect, forget and answer
+    are AckSet's). A batch durable leaves its response as appended (with its
+    base offset); a failed one gets its error. A future per batch, with a
+    callback each to count them down, cost the log process a loop callback
+    per batch (librdkafka sends one partition a request; a connection's
+    requests of one pass come as one call)."""
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self._left: dict[int, list[Any]] = {}
-        self._waiter: asyncio.Future[None] | None = None
-
-    def expect(self, r: list[Any]) -> Ack:
-        """Wait for r (before its batch is appended: a duplicate of a committed one is answered at once)."""
-        self._left[id(r)] = r
-        return self, r
-
-    def forget(self, r: list[Any]) -> None:
-        """r's batch was not appended after all."""
-        self._left.pop(id(r), None)
-
-    def answer(self, token: Any, exc: LogError | None) -> None:
-        if self._left.pop(id(token), None) is None:  # answered already, or timed out
-            return
-        if exc is not None:
-            token[_ERROR_CODE], token[_ERROR_MESSAGE], token[_BASE_OFFSET] = exc.code, str(exc), -1
-        if not self._left and self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+    def failed(self, token: list[Any], exc: LogError) -> None:
+        token[_ERROR_CODE], token[_ERROR_MESSAGE], token[_BASE_OFFSET] = exc.code, str(exc), -1
 
     async def wait(self, deadlines: Deadlines, timeout_s: float) -> None:
         """Until every response is answered, or timeout_s passed: those left
         then time out (their batches may still become durable later)."""
-        if self._left:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await deadlines.wait(self._waiter, max(timeout_s, 0.001))
-        for r in self._left.values():
-            r[_ERROR_CODE], r[_ERROR_MESSAGE] = ErrorCode.REQUEST_TIMED_OUT, "not durable within timeout_ms"
-            r[_BASE_OFFSET] = -1
-        self._left.clear()
+        if self.waiting():
+            self.waiter = asyncio.get_running_loop().create_future()
+            await deadlines.wait(self.waiter, max(timeout_s, 0.001))
+        for r in self.give_up():
+            self.failed(r, LogError(ErrorCode.REQUEST_TIMED_OUT, "not durable within timeout_ms"))
 
 
 def _release(topic_data: ProduceTopics, skip: int) -> None:
