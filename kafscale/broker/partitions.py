@@ -190,8 +190,7 @@ class PartitionRegistry:
         self.cache = cache
         self.cluster = cluster
         self.read_budget = ReadBudget(cfg.readahead_memory_bytes)
-        # told when a partition log commits a segment, moves its start or closes
-        self.on_change: Callable[[PartitionLog, SegmentManifest | None], None] = lambda lg, m: None
+        self._on_change: Callable[[PartitionLog, SegmentManifest | None], None] = lambda lg, m: None
         self.logs: dict[TopicPartition, PartitionLog] = {}
         # open logs placed on this broker under membership generation _placed_at (hand_over_misplaced)
         self._placed_here: dict[PartitionLog, None] = {}
@@ -219,6 +218,19 @@ class PartitionRegistry:
     def _topic_id(self, name: str) -> bytes | None:
         meta = self.topics.get(name)
         return meta.id if meta is not None else None
+
+    @property
+    def on_change(self) -> Callable[[PartitionLog, SegmentManifest | None], None]:
+        """Told when a partition log commits a segment, moves its start or closes."""
+        return self._on_change
+
+    @on_change.setter
+    def on_change(self, fn: Callable[[PartitionLog, SegmentManifest | None], None]) -> None:
+        """Set before any log opens: each log calls it directly (through a
+        lambda that looked it up, an extra call a slice committed)."""
+        if self.logs or self._opening:
+            raise RuntimeError("on_change is set before partition logs open")
+        self._on_change = fn
 
     async def start(self, lease: Any) -> None:
         self.lease = lease
@@ -394,7 +406,7 @@ class PartitionRegistry:
         self._mark(meta)
         node = (self.flusher, self.wal, meta.id) if self.flusher is not None else None
         lg = PartitionLog(topic, p, self.cfg, self.store, self.meta, self.cache, self.read_budget,
-                          lambda lg, m: self.on_change(lg, m), node)
+                          self._on_change, node)
         self._configure(lg, meta)
         claimed = await self._claims.submit(topic, p, None)
         if claimed is not None:
