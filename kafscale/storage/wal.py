@@ -550,8 +550,10 @@ class NodeFlusher:
             for _, (_, slices, (body, cached), fut) in group:
                 try:
                     self.cache.put_object(body, cached)
-                    async for chunk in in_turns(slices, COMMITTED_TURN):  # the acknowledgements so far go out first
-                        for s in chunk:
+                    for i in range(0, len(slices), COMMITTED_TURN):
+                        if i:  # the acknowledgements so far go out first
+                            await asyncio.sleep(0)
+                        for s in slices[i:i + COMMITTED_TURN]:
                             s.log.committed(s.manifest, s.items)
                 except Exception as exc:  # a bug: the flush fails (and the node re-fences), never hangs
                     fut.set_exception(exc)
