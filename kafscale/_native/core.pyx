@@ -13,14 +13,15 @@ never requires recomputing it; correcting maxTimestamp (see validate_batches)
 does.
 """
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.bytearray cimport (PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE,
+                                PyByteArray_Resize)
 from cpython.bytes cimport PyBytes_AsString, PyBytes_FromStringAndSize
 from cpython.dict cimport PyDict_GetItemWithError
 from cpython.ref cimport PyObject
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport INT32_MAX, INT64_MIN, uint8_t, uint32_t, int64_t, uint64_t, int32_t
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 import zlib
 
@@ -830,7 +831,7 @@ def assemble_segment(list parts, int64_t created_ms, Py_ssize_t index_interval):
     _start_stats(&st)
     for payload, base_obj in parts:
         total += len(payload)
-    data = bytearray(KFS_HEADER + total + KFS_FOOTER)
+    data = _unfilled(KFS_HEADER + total + KFS_FOOTER)
     d = <uint8_t *>PyByteArray_AS_STRING(data)
     entries = bytearray()
     try:
@@ -845,10 +846,21 @@ def assemble_segment(list parts, int64_t created_ms, Py_ssize_t index_interval):
         if tab.n:
             with nogil:
                 _seal_segment(d, pos, &st, tab.bases[0], created_ms)
+        else:
+            memset(d, 0, PyByteArray_GET_SIZE(data))
         return (data, [tab.positions[i] for i in range(tab.n)], [tab.bases[i] for i in range(tab.n)], bytes(entries),
                 st.count, st.min_ts, st.max_ts, st.last_offset)
     finally:
         _tab_free(&tab)
+
+
+cdef bytearray _unfilled(Py_ssize_t n):
+    """A bytearray of n bytes not zeroed first, for a caller that writes
+    every one of them (a segment's header, batches and footer, or a node
+    object's slices back to back): zeroing each node object's megabyte
+    first had 1.3% of py-spy's samples of bench.logproc at 1,000
+    partitions (bench/README.md, session 94)."""
+    return PyByteArray_FromStringAndSize(NULL, n)
 
 
 cdef void _tab_free(_Tab *t) noexcept:
@@ -947,9 +959,8 @@ cdef class AckSet:
     batches' durability (expect), each answered once (answer: a batch
     durable leaves its response as it is, a failed one is passed to the
     subclass's failed(token, exc)), and `waiter`, a future set once none is
-    left. Pending.answer calls an AckSet's answer without a Python frame;
-    as a Python method that was about 1.5% of a request's instructions at
-    1,000 partitions (bench/README.md, session 94)."""
+    left. Pending.answer calls an AckSet's answer without a Python call
+    (bench/README.md, session 94)."""
     cdef dict _left  # id(response) -> response
     cdef public object waiter
 
@@ -1060,7 +1071,7 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
         total += KFS_HEADER + KFS_FOOTER
         for p in items:
             total += len(p.payload)
-    data = bytearray(total)
+    data = _unfilled(total)
     d = <uint8_t *>PyByteArray_AS_STRING(data)
     slices, entries, rows = [], [], bytearray(200 * len(taken))
     try:
@@ -1127,8 +1138,8 @@ def cached_batches(refs, keys, int64_t floor, data, Py_ssize_t size):
     """SharedCache.batches: of each key, the batches of the segment its ref
     (place_refs) names in the ring `data` of `size` bytes, header and footer
     left out, or None (not cached, or overwritten: at a position below
-    floor). In Python this loop was about 1.5% of the log process's
-    instructions at 1,000 partitions (bench/README.md, session 94)."""
+    floor). In Python this loop had 2% of py-spy's samples of bench.logproc
+    at 1,000 partitions (bench/README.md, session 94)."""
     cdef list found = []
     cdef int64_t head[2]
     cdef Py_ssize_t off

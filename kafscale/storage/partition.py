@@ -125,8 +125,8 @@ class PartitionLog(LogReader):
             self._uncommitted = asyncio.Semaphore(MAX_UNCOMMITTED)
         self._commit_lock = asyncio.Lock()  # flush commits and retention both move the partition key
         # what a draining close waits on until nothing is queued or being flushed (_drain_done); made
-        # then only: an Event cleared at each append and set at each commit was 2-3% of a request's
-        # instructions at 1,000 partitions (bench/README.md, session 94)
+        # then only, not an Event cleared at every append and set at every commit (two calls a
+        # partition batch; bench/README.md, session 94)
         self._drained: asyncio.Future[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._flushes: set[asyncio.Task[None]] = set()  # segments being uploaded or committed
