@@ -26,6 +26,8 @@ from kafscale.storage.wal import (
     Collector,
     NodeFlusher,
     SharedRanges,
+    _done_rows,
+    _floor,
     merged_away,
     node_prefix,
     shared_prefix,
@@ -452,6 +454,32 @@ def test_a_directory_summary_keeps_its_slices_in_one_bytes_object():
     assert list(summary_slices(s)) == slices
     tracked = [o for o in gc.get_referents(s) if gc.is_tracked(o)]
     assert tracked == [s[2]] and len(s[2]) == 2  # the topics, (name, id hex) each
+
+
+def test_a_node_objects_slices_are_done_with_in_a_row_as_checked_one_by_one():
+    """The collector decides the slices of a node object summary in one array
+    operation (_done_rows): as many in a row are done as a check of each
+    (its last offset below its partition's high watermark or log start, its
+    partition without a mark, its topic gone) finds, whatever its topics."""
+    rng = random.Random(5)
+    for step in range(300):
+        names = [("t", "ab"), ("u", "cd"), ("v", "ef")][:rng.randint(1, 3)]
+        marks = {name: {p: (rng.randrange(60), rng.randrange(30)) for p in range(8) if rng.random() < 0.9}
+                 for name, _ in names if rng.random() < 0.9}
+        slices = [(*rng.choice(names), rng.randrange(10), base, base + rng.randrange(3))
+                  for base in (rng.randrange(70) for _ in range(rng.randint(1, 30)))]
+        slices.sort(key=lambda s: rng.random() if rng.random() < 0.2 else 0)
+        s = summary("wal-key", False, slices)
+        start = rng.randrange(len(slices))
+
+        def done(topic: str, p: int, last: int, marks: dict[str, dict[int, tuple[int, int]]] = marks) -> bool:
+            mark = marks.get(topic, {}).get(p)
+            return mark is None or max(mark) > last
+
+        want = next((i for i, (t, _, p, _, last) in enumerate(slices[start:]) if not done(t, p, last)),
+                    len(slices) - start)
+        floors = [_floor(marks.get(name)) for name, _ in s[2]]
+        assert _done_rows(s, start, floors) == want, f"step {step}"
 
 
 def test_slices_the_cache_lost_are_read_back_one_get_a_node_object():
