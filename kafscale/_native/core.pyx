@@ -820,9 +820,13 @@ def assemble_segment(list parts, int64_t created_ms, Py_ssize_t index_interval):
     leader epoch zeroed, and an index entry (offset i64, position i32,
     big-endian) names the first batch and then each batch starting
     index_interval or more bytes after the last named one. Returns (buffer,
-    batch positions, batch base offsets, index entries, records, smallest
-    base timestamp, largest max timestamp, last offset); with no batches at
-    all, the buffer holds no header or footer and the positions are empty."""
+    batches, their tables (_tables: base offsets, then positions: a cache
+    entry's, as assemble_node gives a slice's), index entries, records,
+    smallest base timestamp, largest max timestamp, last offset); with no
+    batches at all, the buffer holds no header or footer. Lists of Python
+    ints for the tables, packed again for the cache by each compaction,
+    had 4% of the compaction's samples at 1,000 partitions (bench/README.md,
+    session 95)."""
     cdef Py_ssize_t total = 0, pos = KFS_HEADER, last_indexed = -index_interval, i
     cdef _SegStats st
     cdef _Tab tab = _Tab(NULL, NULL, 0, 0)
@@ -848,8 +852,7 @@ def assemble_segment(list parts, int64_t created_ms, Py_ssize_t index_interval):
                 _seal_segment(d, pos, &st, tab.bases[0], created_ms)
         else:
             memset(d, 0, PyByteArray_GET_SIZE(data))
-        return (data, [tab.positions[i] for i in range(tab.n)], [tab.bases[i] for i in range(tab.n)], bytes(entries),
-                st.count, st.min_ts, st.max_ts, st.last_offset)
+        return data, tab.n, _tables(&tab), bytes(entries), st.count, st.min_ts, st.max_ts, st.last_offset
     finally:
         _tab_free(&tab)
 

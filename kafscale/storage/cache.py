@@ -23,7 +23,7 @@ class CachedSegment:
 
     @classmethod
     def from_built(cls, seg: BuiltSegment) -> CachedSegment:
-        return cls(seg.data, seg.batch_bases, seg.positions)
+        return cls.from_tables(memoryview(seg.data), memoryview(seg.tables))
 
     @classmethod
     def from_tables(cls, data: memoryview, tables: memoryview) -> CachedSegment:

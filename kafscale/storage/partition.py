@@ -491,12 +491,13 @@ class PartitionLog(LogReader):
         merged segments) it replaces, and count what it rewrote. The caller
         put the segment in the cache first (a shared compaction puts all of
         its object's segments at once)."""
-        merged, slices, _ = built
+        merged = built[0]
+        slice_bytes = self._slice_bytes
+        self.add_segment(manifest)  # replaces the slices: their bytes are counted down (not summed again)
         node = metrics.node()
-        metrics.COMPACTED_BYTES.labels(node, "slices").inc(sum(m.size for m in slices))
+        metrics.COMPACTED_BYTES.labels(node, "slices").inc(slice_bytes - self._slice_bytes)
         if merged:
             metrics.COMPACTED_BYTES.labels(node, "merged").inc(sum(m.size for m in merged))
-        self.add_segment(manifest)
         self._on_change(self, manifest)
 
     async def compact(self) -> None:
@@ -813,7 +814,7 @@ def producer_states(segments: list[SegmentManifest]) -> dict[int, _ProducerState
     states: dict[int, _ProducerState] = {}
     expired = int(time.time() * 1000) - PRODUCER_EXPIRY_MS
     for m in segments:
-        if m.created_ms < expired:
+        if not m.producers or m.created_ms < expired:  # most have none: no call for them
             continue
         for pid, (epoch, batches) in m.producers.items():
             st = states.get(int(pid))

@@ -110,8 +110,7 @@ class BuiltSegment:
     count: int  # records
     min_timestamp: int
     max_timestamp: int
-    positions: list[int]  # byte position of each batch in `data`
-    batch_bases: list[int]  # first offset of each batch
+    tables: bytes  # the first offset of each batch, then its byte position in `data` (CachedSegment.tables)
 
 
 def build_segment(batches: Sequence[tuple[memoryview | bytes, int]], created_ms: int,
@@ -120,12 +119,12 @@ def build_segment(batches: Sequence[tuple[memoryview | bytes, int]], created_ms:
 
     Batches are copied once into the object buffer and their base offsets
     patched in place (the batch CRC does not cover it), in native code."""
-    (data, positions, bases, entries, count, min_ts, max_ts,
+    (data, n, tables, entries, count, min_ts, max_ts,
      last_offset) = _native.assemble_segment(list(batches), created_ms, index_interval)
-    if not positions:
+    if not n:
         raise SegmentFormatError("a segment needs at least one batch")
     index = INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, len(entries) // INDEX_ENTRY.size, index_interval) + entries
-    return BuiltSegment(data, index, bases[0], last_offset, count, min_ts, max_ts, positions, bases)
+    return BuiltSegment(data, index, struct.unpack_from("=q", tables)[0], last_offset, count, min_ts, max_ts, tables)
 
 
 @dataclass

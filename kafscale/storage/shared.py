@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING
 from kafscale import faults, metrics
 from kafscale.config import Config
 from kafscale.metadata.store import SHARED_PARTITIONS, TXN_MAX_OPS, MetaStore, SegmentManifest
-from kafscale.storage.cache import CachedSegment
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import Compaction, PartitionLog
 from kafscale.storage.wal import Slice, directory, retry, seal, shared_key, upload
@@ -225,7 +224,7 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
         return 0
     # one cache reservation and copy for all (per segment that was an eighth of a compaction's CPU)
     cache.put_object(memoryview(body), [(s.manifest.ref, s.manifest.pos, len(builts[s.log][2].data),
-                                         CachedSegment.from_built(builts[s.log][2]).tables()) for s in committed])
+                                         builts[s.log][2].tables) for s in committed])
     for s in committed:  # one partition at a time, as they were built
         s.log.serve_compacted(s.manifest, builts[s.log])
         await asyncio.sleep(0)

@@ -49,7 +49,9 @@ def test_segment_bytes():
     # batches are stored as sent, with base offsets patched in place
     infos = _native.scan_batches(data[32:-16], True)
     assert [b.base_offset for b in infos] == [100, 103, 106, 109]
-    assert seg.positions == [32 + b.position for b in infos]
+    cached = CachedSegment.from_built(seg)  # its tables, for the cache
+    assert (list(cached.bases), list(cached.positions)) == ([b.base_offset for b in infos],
+                                                          [32 + b.position for b in infos])
     hdr, body, last_off = open_segment(data)
     assert (hdr.base_offset, hdr.count, last_off, len(body)) == (100, 12, 111, len(data) - 48)
     # the native writer's layout is the one segment.py parses
@@ -109,7 +111,8 @@ def test_a_node_objects_slices_are_the_segments_build_segment_makes():
                        *([m.producers] if m.producers else [])]
         assert entry[:3] == (m.ref, m.pos, m.size)
         cached = CachedSegment.from_tables(memoryview(body)[pos:pos + m.size], memoryview(entry[3]))
-        assert list(cached.bases) == seg.batch_bases and list(cached.positions) == seg.positions
+        built = CachedSegment.from_built(seg)
+        assert (list(cached.bases), list(cached.positions)) == (list(built.bases), list(built.positions))
         pos += m.size
     assert len(body) == pos
     assert sorted(released) == sorted(base for slice_parts in parts for _, base in slice_parts)  # each once
@@ -130,8 +133,9 @@ def test_index_bytes_and_lookup():
     parsed = parse_index(idx)
     assert parsed.offsets[0] == 0 and parsed.positions[0] == 32
     assert 1 < count < 10  # sparse
+    cached = CachedSegment.from_built(seg)
     for off, pos in zip(parsed.offsets, parsed.positions, strict=True):
-        assert seg.positions[seg.batch_bases.index(off)] == pos
+        assert cached.positions[list(cached.bases).index(off)] == pos
     assert parsed.lookup(0) == 32
     assert parsed.lookup(29) == parsed.positions[-1]
     assert parsed.lookup(parsed.offsets[1] - 1) == 32
