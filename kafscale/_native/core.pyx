@@ -1056,13 +1056,13 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
     idempotent producer wrote one of its batches. Of each slice, piece(log,
     its manifest, items) (wal.Slice) goes in the slices returned, its
     manifest being manifest(base, last, count, size, min_ts, max_ts, key,
-    created_ms, producers, pos) (SegmentManifest); its cache entry (ref
-    "key#pos": SegmentManifest.ref's form, written here because calling the
-    property cost 0.18 us a slice; tests/unit/test_segment.py checks they
-    agree), position, size, and its cache tables: _tables, positions from
-    the slice's start) in the entries; its directory row (directory_rows,
-    its topic placed in `places`) in the rows. Returns (buffer, slices,
-    entries, rows)."""
+    created_ms, producers, pos, ref) (SegmentManifest, given its ref "key#pos":
+    the same string is its cache entry's key, so a lookup finds that key by
+    identity; tests/unit/test_segment.py checks it is the ref SegmentManifest
+    makes); its cache entry (ref, position, size, and its cache tables:
+    _tables, positions from the slice's start) in the entries; its
+    directory row (directory_rows, its topic placed in `places`) in the
+    rows. Returns (buffer, slices, entries, rows)."""
     cdef Py_ssize_t total = 0, pos = 0, start, used = 0
     cdef _SegStats st
     cdef _Tab tab = _Tab(NULL, NULL, 0, 0)
@@ -1095,9 +1095,10 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
             for p in items:
                 p.done_with_payload()
             producers = lg.producers_of(items) if idempotent else {}
+            ref = f"{key}#{start}"
             slices.append(piece(lg, manifest(tab.bases[0], st.last_offset, st.count, pos - start, st.min_ts,
-                                             st.max_ts, key, created_ms, producers, start), items))
-            entries.append((f"{key}#{start}", start, pos - start, _tables(&tab)))
+                                             st.max_ts, key, created_ms, producers, start, ref), items))
+            entries.append((ref, start, pos - start, _tables(&tab)))
             vals[0], vals[1], vals[2], vals[3] = _place(places, lg.topic), lg.partition, tab.bases[0], st.last_offset
             vals[4], vals[5], vals[6], vals[7], vals[8] = st.count, start, pos - start, st.min_ts, st.max_ts
             used = _put_row(rows, used, vals, dumps(producers).encode() if producers else b"")
