@@ -114,6 +114,10 @@ class _Cursor(collections.deque[_Window]):
 
 
 class LogReader:
+    __slots__ = (  # noqa: RUF023 (as PartitionLog's: in the order of use, not sorted)
+        "hw", "log_start", "segments", "_bases", "cache", "store", "readahead_bytes", "budget", "_indexes", "cursors",
+        "_loading", "last_read", "__weakref__")
+
     def __init__(self, store: ObjectStore, cache: SegmentSource, readahead_bytes: int, budget: ReadBudget) -> None:
         self.store = store
         self.cache = cache

@@ -484,11 +484,13 @@ def test_due_compactions_start_oldest_first_spread_over_half_the_lag(monkeypatch
             await append(lg, batch(b"x"))
             await asyncio.sleep(0.003)
         started: list[tuple[float, list[int]]] = []
-        for lg in logs:
-            async def compact(lg=lg, real=lg.compact) -> None:
-                started.append((time.monotonic(), [lg.partition]))
-                await real()
-            lg.compact = compact  # type: ignore[method-assign]
+        real_compact = PartitionLog.compact
+
+        async def compact(lg: PartitionLog) -> None:
+            started.append((time.monotonic(), [lg.partition]))
+            await real_compact(lg)
+
+        monkeypatch.setattr(PartitionLog, "compact", compact)
         real_shared = registry.compact_shared
 
         async def compact_shared(logs, *args):
@@ -573,11 +575,11 @@ def test_a_partition_with_segments_of_slices_waiting_is_compacted_without_waitin
 
         tried = []
 
-        async def failing() -> None:  # as when S3 refuses the segment: it is tried at the next check, not at once
+        async def failing(_: PartitionLog) -> None:  # S3 refusing the segment: tried at the next check, not at once
             tried.append(time.monotonic())
             raise OSError("S3 is down")
 
-        lg.compact = failing  # type: ignore[method-assign]
+        monkeypatch.setattr(PartitionLog, "compact", failing)
         for _ in range(8):
             await append(lg, batch(b"y" * 1000))
         loop = asyncio.create_task(reg.compaction_loop())
