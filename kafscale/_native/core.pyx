@@ -1062,12 +1062,17 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
     makes); its cache entry (ref, position, size, and its cache tables:
     _tables, positions from the slice's start) in the entries; its
     directory row (directory_rows, its topic placed in `places`) in the
-    rows. Returns (buffer, slices, entries, rows)."""
+    rows, and its topic's place, partition, base and last offset as
+    native-endian 8-byte integers in the summary (wal.summary's rows: the
+    collector's, without parsing the directory back). Returns (buffer,
+    slices, entries, rows, summary)."""
     cdef Py_ssize_t total = 0, pos = 0, start, used = 0
     cdef _SegStats st
     cdef _Tab tab = _Tab(NULL, NULL, 0, 0)
     cdef uint8_t *d
     cdef int64_t vals[9]
+    cdef int64_t *summed
+    cdef bytes summary
     cdef Pending p
     cdef bint idempotent
     for lg, items in taken:
@@ -1077,6 +1082,8 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
     data = _unfilled(total)
     d = <uint8_t *>PyByteArray_AS_STRING(data)
     slices, entries, rows = [], [], bytearray(200 * len(taken))
+    summary = PyBytes_FromStringAndSize(NULL, 32 * len(taken))  # new, so written in place
+    summed = <int64_t *><char *>summary
     try:
         for lg, items in taken:
             start = pos
@@ -1100,12 +1107,13 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
                                              st.max_ts, key, created_ms, producers, start, ref), items))
             entries.append((ref, start, pos - start, _tables(&tab)))
             vals[0], vals[1], vals[2], vals[3] = _place(places, lg.topic), lg.partition, tab.bases[0], st.last_offset
+            memcpy(summed + 4 * len(slices) - 4, vals, 32)
             vals[4], vals[5], vals[6], vals[7], vals[8] = st.count, start, pos - start, st.min_ts, st.max_ts
             used = _put_row(rows, used, vals, dumps(producers).encode() if producers else b"")
     finally:
         _tab_free(&tab)
     PyByteArray_Resize(rows, used)
-    return data, slices, entries, rows
+    return data, slices, entries, rows, summary
 
 
 def place_refs(refs, list entries, int64_t shift, int64_t floor):

@@ -694,10 +694,11 @@ class PartitionRegistry:
                               delete_delay_s=self.cfg.delete_delay_ms / 1000)
         while True:
             await asyncio.sleep(every_s)
+            handed = self.flusher.handed_over() if self.flusher is not None else {}  # taken even if not used
             if not self.cluster.collects():
                 continue
             try:
-                n = await collector.run()
+                n = await collector.run(handed)
                 if n:
                     log.info("forgot %d node objects (every slice compacted)", n)
             except Exception as exc:

@@ -472,7 +472,7 @@ class MetaStore:
         tx = self.client.transactions
         ok, _ = await self.client.transaction(
             compare=[tx.version(self.k("fences", fence)) > 0],
-            success=[tx.put(self.k("wal", fence, f"{seq:012d}"), raw) for seq, raw in directories], failure=[])
+            success=[tx.put(self.wal_key(fence, seq), raw) for seq, raw in directories], failure=[])
         if not ok:
             raise Fenced(f"fence {fence} was taken")
 
@@ -523,6 +523,10 @@ class MetaStore:
                     if kv.key in want}
         got = await asyncio.gather(*(self.client.get(k) for k in keys))
         return {k: bytes(kv.value) for k, kv in zip(keys, got, strict=True) if kv is not None}
+
+    def wal_key(self, fence: str, seq: int) -> bytes:
+        """The etcd key of a node object's directory (commit_wal)."""
+        return self.k("wal", fence, f"{seq:012d}")
 
     async def wal_keys(self, area: str = "wal") -> list[bytes]:
         return [kv.key async for kv in self.scan(self.k(area, ""), keys_only=True)]

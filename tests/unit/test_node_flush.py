@@ -382,6 +382,47 @@ def test_the_collector_keeps_an_object_of_a_partition_claimed_during_its_pass():
     run(go())
 
 
+def test_the_flusher_hands_its_collector_the_summaries_of_what_it_committed():
+    """The node objects a flusher committed are handed to this broker's
+    collector as the summaries it would parse from their directories, once
+    each; a pass given them reads no directory of them back from etcd."""
+    async def go():
+        n = Node()
+        meta = await n.meta.create_topic(TOPIC, 4, {})
+        other = await n.meta.create_topic("other", 2, {})
+        ids = {TOPIC: meta.id, "other": other.id}
+
+        async def on_fenced(_fence: str) -> None:
+            n.fenced.set()
+
+        cache = DictCache()
+        flusher = NodeFlusher(n.cfg, n.store, n.meta, cache, ids.get, on_fenced)
+        await flusher.start(await n.etcd.lease(60))
+        logs = [PartitionLog(t, p, n.cfg, n.store, n.meta, cache, ReadBudget(64 << 20), lambda _lg, _m: None,
+                             (flusher, WalIndex(n.meta), ids[t])) for t, p in ((TOPIC, 3), ("other", 1), (TOPIC, 0))]
+        for lg in logs:
+            await lg.open()
+        for i in range(3):
+            await asyncio.gather(*(append(lg, batch(bytes([97 + i]) * (i + 1))) for lg in logs[i:]))
+        directories = dict(await n.meta.wal_directories())
+        handed = flusher.handed_over()
+        assert len(directories) >= 2 and handed == {k: wal._summary(raw, False) for k, raw in directories.items()}
+        assert flusher.handed_over() == {}, "each once"
+        asked: list[bytes] = []
+        real = n.meta.wal_directories_of
+
+        async def wal_directories_of(keys: list[bytes], area: str = "wal") -> dict[bytes, bytes]:
+            asked.extend(keys)
+            return await real(keys, area)
+
+        n.meta.wal_directories_of = wal_directories_of  # type: ignore[method-assign]
+        assert await Collector(n.meta, n.store, "unit").run(handed) == 0, "nothing compacted yet"
+        assert asked == []
+        await flusher.stop()
+
+    run(go())
+
+
 def test_a_pass_deletes_its_objects_in_small_requests_spread_over_the_time_to_the_next(monkeypatch):
     """The objects a collector pass forgets go in DELETE_BATCH-key requests,
     evenly over the time to the next pass (one request for all of them took

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -95,9 +96,11 @@ def test_a_node_objects_slices_are_the_segments_build_segment_makes():
                    for j, (p, base) in enumerate(slice_parts)])
              for i, (lg, slice_parts) in enumerate(zip(logs, parts, strict=True))]
     places: dict[str, int] = {}
-    body, slices, entries, rows = _native.assemble_node(taken, 1234, "k.kfn", places, SegmentManifest, Slice,
-                                                        json.dumps)
+    body, slices, entries, rows, summary = _native.assemble_node(taken, 1234, "k.kfn", places, SegmentManifest,
+                                                                 Slice, json.dumps)
     assert places == {"b": 0, 'a"\\': 1}
+    # the collector's summary rows: each slice's topic place, partition, base and last offset, as in its row
+    assert summary == array("q", [v for r in json.loads(f"[{rows.decode()}]") for v in r[:4]]).tobytes()
     pos = 0
     for i, ((lg, items), slice_parts, s, entry, row) in enumerate(zip(
             taken, parts, slices, entries, json.loads(f"[{rows.decode()}]"), strict=True)):
