@@ -98,7 +98,7 @@ class _ProducerState:
 class PartitionLog(LogReader):
     # Attributes in slots, the ones each partition batch touches first: at 1,000 partitions a log is
     # seldom in the CPU's caches when its next batch comes, and an instance dict's values are one more
-    # place to fetch (bench.logproc at 1,000 partitions: 0.86 of the CPU a request; bench/README.md,
+    # place to fetch (bench.logproc at 1,000 partitions: 0.89 of the CPU a request; bench/README.md,
     # session 95). Tests patch methods on the class.
     __slots__ = (  # noqa: RUF023 (in the order of use, not sorted)
         "next_offset", "_pending", "_pending_bytes", "node", "closed", "_slice_count", "_slice_bytes", "checkpoint",

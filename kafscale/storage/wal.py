@@ -152,10 +152,9 @@ def layout_order(lg: PartitionLog) -> tuple[str, int]:
 
 
 # A node object uploaded, waiting for its commit: its directory, its slices, the
-# object and its slices' entries for the cache (RecentCache.put_object), and
-# the future its flush waits on
-# an uploaded node object: its directory, slices, body and cache entries, summary (the collector's), and
-# the future its commit sets
+# object and its slices' entries for the cache (RecentCache.put_object), its
+# summary for this broker's collector (NodeFlusher.handed_over), and the future
+# its flush waits on
 _Uploaded = tuple[bytes, list[Slice], tuple[memoryview, list[tuple[str, int, int, bytes]]], "Summary",
                   asyncio.Future[None]]
 
