@@ -70,6 +70,9 @@ PARSE_TURN_BYTES = 16 << 10  # directory JSON parsed before other work runs (64 
 # every 50 directories held the event loop for 79 ms when each held MAX_SLICES slices (10,000 partitions and
 # more), and the shared objects' ranges were counted with no turn at all; bench/README.md, session 69
 COLLECT_TURN = 1000
+# node object summaries a flusher keeps for its broker's collector (NodeFlusher.handed_over) at most: it
+# takes them every half compaction_lag_ms (about 60 objects at 20,000 records/s over 1,000 partitions)
+HANDED_MAX = 1024
 ORPHAN_AGE_S = 600.0  # an object no directory names is an orphan once this old (uploaded, never committed)
 
 
@@ -563,6 +566,8 @@ class NodeFlusher:
             self._committed = group[-1][0]
             for seq, (_, slices, (body, cached), summarized, fut) in group:
                 self._summaries[self.meta.wal_key(fence, seq)] = summarized
+                if len(self._summaries) > HANDED_MAX:  # nobody takes them: the oldest go (read back if needed)
+                    del self._summaries[next(iter(self._summaries))]
                 try:
                     self.cache.put_object(body, cached)
                     for i in range(0, len(slices), COMMITTED_TURN):

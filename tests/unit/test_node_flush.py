@@ -382,10 +382,11 @@ def test_the_collector_keeps_an_object_of_a_partition_claimed_during_its_pass():
     run(go())
 
 
-def test_the_flusher_hands_its_collector_the_summaries_of_what_it_committed():
+def test_the_flusher_hands_its_collector_the_summaries_of_what_it_committed(monkeypatch):
     """The node objects a flusher committed are handed to this broker's
     collector as the summaries it would parse from their directories, once
-    each; a pass given them reads no directory of them back from etcd."""
+    each; a pass given them reads no directory of them back from etcd. Those
+    nobody takes are kept up to HANDED_MAX, the newest."""
     async def go():
         n = Node()
         meta = await n.meta.create_topic(TOPIC, 4, {})
@@ -418,6 +419,11 @@ def test_the_flusher_hands_its_collector_the_summaries_of_what_it_committed():
         n.meta.wal_directories_of = wal_directories_of  # type: ignore[method-assign]
         assert await Collector(n.meta, n.store, "unit").run(handed) == 0, "nothing compacted yet"
         assert asked == []
+        monkeypatch.setattr(wal, "HANDED_MAX", 1)
+        for i in range(2):
+            await append(logs[0], batch(b"late %d" % i))
+        newest = max(k for k, _ in await n.meta.wal_directories())
+        assert list(flusher.handed_over()) == [newest]
         await flusher.stop()
 
     run(go())
