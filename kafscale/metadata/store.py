@@ -155,7 +155,8 @@ class SegmentManifest:
     pos: int = -1
     # what names the segment's bytes (the cache key): its object, plus "#pos" in a node object or a
     # shared one; made once (given, or by __post_init__), not at each use: a property making it took
-    # 0.24 us a call, and compaction and the log process's commits call it once a slice
+    # 0.24 us a call, and compaction and the log process's commits call it once a slice. A copy with
+    # another key or pos (dataclasses.replace) must pass ref="" to have it made again
     ref: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
