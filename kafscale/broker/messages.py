@@ -9,6 +9,7 @@ turns a RingPayload back into the bytes in place (produce_api.Accepted)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kafscale.broker.shm import CacheRef
 from kafscale.metadata.store import SegmentManifest
@@ -108,10 +109,12 @@ class AclsChanged:
     acls: list[bytes]  # AclBinding JSON each
 
 
-@dataclass(frozen=True)
-class PartitionChanged:
+class PartitionChanged(NamedTuple):
     """A partition log committed a segment (manifest), moved its start, or
-    closed. Sent as a list: the changes of one pass of the log process's loop."""
+    closed. Sent as a list: the changes of one pass of the log process's loop.
+    A node commit makes one a slice for the workers viewing its partitions:
+    a named tuple is made in 0.26 us and unpickled in 0.8, a frozen
+    dataclass took 0.86 and 1.2 (bench/README.md, session 96)."""
     topic: str
     partition: int
     closed: bool

@@ -10,12 +10,14 @@ import asyncio
 import dataclasses
 import json
 import math
+import pickle
 import random
 import struct
 
 import pytest
 
 from kafscale import _native
+from kafscale.broker import messages
 from kafscale.broker.produce_api import Acks, Deadlines
 from kafscale.config import Config
 from kafscale.metadata.memory import MemoryEtcd
@@ -140,6 +142,24 @@ def test_states_and_manifests_are_encoded_as_json_dumps_with_sorted_keys_writes_
         assert manifest.to_json() == sorted_dump(manifest)
         assert PartitionState(**json.loads(state.to_json())) == state
         assert SegmentManifest(**json.loads(manifest.to_json())) == manifest
+
+
+def test_manifests_and_partition_changes_cross_to_the_workers_whole():
+    """A manifest pickles as its fields in order (SegmentManifest.__reduce__):
+    each field comes back, its ref included, in a PartitionChanged too."""
+    rnd = random.Random(11)
+    for _ in range(100):
+        n = [rnd.choice([-1, 0, rnd.randrange(1 << 62)]) for _ in range(8)]
+        producers = rnd.choice([{}, {"7": [0, [[0, 4, 10]]], "12": [3, [[5, 5, 2], [6, 9, 3]]]}])
+        manifest = SegmentManifest(*n[:6], rnd.choice(["k", "ns/wal/f00d/000000000001"]), n[6], producers, n[7])
+        change = messages.PartitionChanged("t", n[0], rnd.random() < 0.5, n[1], n[2], manifest, b"ref")
+        for back in (pickle.loads(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL)),
+                     pickle.loads(pickle.dumps([change], protocol=pickle.HIGHEST_PROTOCOL))[0].manifest):
+            assert dataclasses.asdict(back) == dataclasses.asdict(manifest)
+            assert back.ref == manifest.ref == (manifest.key if manifest.pos < 0 else f"{manifest.key}#{manifest.pos}")
+        assert pickle.loads(pickle.dumps(change, protocol=pickle.HIGHEST_PROTOCOL)) == change
+    given = SegmentManifest(0, 0, 1, 10, 0, 0, "obj", 0, {}, 64, ref="entry")  # a ref given stays as given
+    assert pickle.loads(pickle.dumps(given)).ref == "entry"
 
 
 def test_acknowledged_only_once_in_s3_and_committed_in_etcd():
