@@ -46,7 +46,7 @@ class LogService:
         # the workers with a view of each partition: only they are sent its changes (a partition
         # no client fetches from, written only, or read by Spark from S3, costs no event)
         self._viewers: dict[tuple[str, int], set[Channel]] = {}
-        self._changes: list[tuple[messages.PartitionChanged, set[Channel]]] = []  # not sent yet, and to whom
+        self._changes: list[tuple[messages.SentChange, set[Channel]]] = []  # not sent yet, and to whom
         broker.partitions.on_change = self._changed
         broker.access.on_acls = self._acls_changed
 
@@ -178,8 +178,8 @@ class LogService:
         ref = self.cache.ref(manifest.ref) if manifest is not None else None
         if not self._changes:
             asyncio.get_running_loop().call_soon(self._send_changes)
-        self._changes.append((messages.PartitionChanged(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start,
-                                                        manifest, ref), viewers))
+        self._changes.append((messages.PartitionChanged.sent(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start,
+                                                             manifest, ref), viewers))
 
     def _send_changes(self) -> None:
         """Send each worker the changes of the partitions it views, pickled

@@ -222,13 +222,14 @@ class Worker:
     def _set_acls(self, raw: list[bytes]) -> None:
         self.authz.update(AclBinding.from_json(a) for a in raw)
 
-    def _on_event(self, event: messages.AclsChanged | list[messages.PartitionChanged]) -> None:
+    def _on_event(self, event: messages.AclsChanged | list[messages.SentChange]) -> None:
         if isinstance(event, messages.AclsChanged):
             self._set_acls(event.acls)
             self.sessions.revisit()
             return
         logged = len(self.sessions) > 0  # a session's first pass begins at the log's end: nothing before matters
-        for ev in event:
+        for sent in event:
+            ev = messages.PartitionChanged.received(sent)
             if logged:
                 self.changes.add(ev.topic, ev.partition)
             view = self.views.get((ev.topic, ev.partition))

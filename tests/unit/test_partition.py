@@ -145,21 +145,27 @@ def test_states_and_manifests_are_encoded_as_json_dumps_with_sorted_keys_writes_
 
 
 def test_manifests_and_partition_changes_cross_to_the_workers_whole():
-    """A manifest pickles as its fields in order (SegmentManifest.__reduce__):
-    each field comes back, its ref included, in a PartitionChanged too."""
+    """A manifest pickles as its fields in order (SegmentManifest.__reduce__),
+    and a PartitionChanged crosses as a plain tuple (PartitionChanged.sent,
+    then received): every field comes back, the manifest's ref included."""
     rnd = random.Random(11)
     for _ in range(100):
         n = [rnd.choice([-1, 0, rnd.randrange(1 << 62)]) for _ in range(8)]
         producers = rnd.choice([{}, {"7": [0, [[0, 4, 10]]], "12": [3, [[5, 5, 2], [6, 9, 3]]]}])
         manifest = SegmentManifest(*n[:6], rnd.choice(["k", "ns/wal/f00d/000000000001"]), n[6], producers, n[7])
-        change = messages.PartitionChanged("t", n[0], rnd.random() < 0.5, n[1], n[2], manifest, b"ref")
-        for back in (pickle.loads(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL)),
-                     pickle.loads(pickle.dumps([change], protocol=pickle.HIGHEST_PROTOCOL))[0].manifest):
-            assert dataclasses.asdict(back) == dataclasses.asdict(manifest)
-            assert back.ref == manifest.ref == (manifest.key if manifest.pos < 0 else f"{manifest.key}#{manifest.pos}")
-        assert pickle.loads(pickle.dumps(change, protocol=pickle.HIGHEST_PROTOCOL)) == change
+        change = (rnd.choice(["t", "ünï"]), n[0], rnd.random() < 0.5, n[1], n[2], rnd.choice([manifest, None]),
+                  rnd.choice([b"ref", None]))
+        wire = pickle.dumps([messages.PartitionChanged.sent(*change)], protocol=pickle.HIGHEST_PROTOCOL)
+        back = messages.PartitionChanged.received(pickle.loads(wire)[0])
+        assert back == messages.PartitionChanged(*change)
+        for m in (pickle.loads(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL)), back.manifest):
+            if m is not None:
+                assert dataclasses.asdict(m) == dataclasses.asdict(manifest)
+                assert m.ref == manifest.ref == (manifest.key if manifest.pos < 0 else f"{manifest.key}#{manifest.pos}")
     given = SegmentManifest(0, 0, 1, 10, 0, 0, "obj", 0, {}, 64, ref="entry")  # a ref given stays as given
     assert pickle.loads(pickle.dumps(given)).ref == "entry"
+    assert messages.PartitionChanged.received(messages.PartitionChanged.sent("t", 0, False, 1, 0, given, None)
+                                              ).manifest.ref == "entry"
 
 
 def test_acknowledged_only_once_in_s3_and_committed_in_etcd():
