@@ -76,6 +76,7 @@ def test_metrics_merge_every_process_and_report_group_lag(make_broker, topic_nam
     assert processes <= {"0", "1"} and processes, "requests are counted by the workers that answered them"
     assert total(smp, "kafscale_produce_bytes_total") >= 100 * 100
     assert total(smp, "kafscale_fetch_bytes_total") >= 60 * 100
+    assert total(smp, "kafscale_segment_reads_total") >= 1, "the fetches read segments (from the cache or S3)"
     assert total(smp, "kafscale_s3_request_seconds_count", op="put") >= 1, "the node object PUT"
     assert total(smp, "kafscale_etcd_commit_seconds_count") >= 1
     assert total(smp, "kafscale_segment_flush_bytes_count") >= 1
