@@ -55,7 +55,7 @@ own P = 1.
     python -m bench.partitions [--partitions 1,100,1000,10000] [--rates 2000,20000]
                                [--modes node,partition] [--seconds 15] [--drain 180] [--rounds 1]
                                [--s3-on-disk] [--client librdkafka|sarama|aiokafka] [--send-buffer B]
-                               [--client-linger-ms MS]
+                               [--client-linger-ms MS] [--tail]
 
 --client names the producer that offers the load. librdkafka (the default)
 sends a Produce request per partition batch: at 2,000 records/s over 100 or
@@ -70,6 +70,12 @@ Kafka's Java producer asks for 128 KiB). --client-linger-ms sets the
 producer's linger (default 5 ms, as the broker's; the broker's and the
 latency bound's stay 5 ms): librdkafka sends a request per partition batch,
 and over many partitions a longer linger puts more records in each.
+
+With --tail a consumer (librdkafka, its own process) reads every partition
+from its end while the load is offered, as a consumer following a topic
+does: the broker then also sends the workers serving it each partition's
+commits, and serves its fetches. The records it read and its CPU are
+reported; without it no record is read during the load.
 
 With --rounds N every P runs N times, in turn (1, 100, 1,000, then 1 again),
 and each P's medians over the rounds follow the tables: of its figures, and
@@ -242,6 +248,53 @@ class StorageProbe:
         self._proc.join(30)
 
 
+def _tail(bootstrap: str, topic: str, partitions: int, conn: Connection) -> None:
+    """In a process of its own: a consumer of every partition from its end,
+    ready once its fetches return (every partition's view open); reads until
+    told to stop, then sends how many records it read."""
+    from confluent_kafka import OFFSET_END, Consumer, TopicPartition
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"tail-{uuid.uuid4().hex}",
+                  "enable.auto.commit": False})
+    c.assign([TopicPartition(topic, p, OFFSET_END) for p in range(partitions)])
+    ready = time.perf_counter() + 5
+    while time.perf_counter() < ready:  # OFFSET_END resolved and every partition fetched once
+        c.consume(1000, 0.1)
+    conn.send("ready")
+    read = 0
+    while not conn.poll():
+        read += sum(1 for m in c.consume(1000, 0.1) if m.error() is None)
+    c.close()
+    conn.send(read)
+
+
+class Tail:
+    """--tail's consumer while the block runs: its pid (for CpuMeter) and,
+    after the block, the records it read."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+        ctx = multiprocessing.get_context("spawn")  # not a fork of a process with librdkafka's threads
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_tail, args=(bootstrap, topic, partitions, child), daemon=True)
+        self.read = -1
+
+    def __enter__(self) -> Tail:
+        self._proc.start()
+        if not self._conn.poll(120) or self._conn.recv() != "ready":
+            raise RuntimeError("the tail consumer did not start")
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self._proc.pid is not None
+        return self._proc.pid
+
+    def __exit__(self, *exc: object) -> None:
+        self._conn.send("stop")
+        if self._conn.poll(60):
+            self.read = self._conn.recv()
+        self._proc.join(30)
+
+
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(f"{field}:"):
@@ -356,6 +409,8 @@ class Run:
     probe_txn_p99: float  # seconds, a one-key etcd transaction by the StorageProbe during the load
     reference_ms: float  # the machine's reference work just before the broker started (reference_ms())
     idle_bound: float  # seconds, latency_bound on the idle machine just before the broker started
+    tail_read: int = -1  # records the --tail consumer read during the load (-1: no --tail)
+    tail_cpu: float = 0.0  # cores, the --tail consumer
 
     @property
     def bound(self) -> float:
@@ -561,7 +616,7 @@ def add_client_arguments(ap: argparse.ArgumentParser, client_help: str) -> None:
 
 
 def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int, rate: int, seconds: float,
-            drain: float, offer_load: Offer = offer) -> Run:
+            drain: float, offer_load: Offer = offer, tail: bool = False) -> Run:
     cluster = f"p{partitions}r{rate}{uuid.uuid4().hex[:4]}"
     admin = f"127.0.0.1:{free_port()}"
     idle_bound = idle_latency_bound(stack)
@@ -579,12 +634,14 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
         idle = (rss_kib(log_process) - before_open) / partitions
         broker_url, etcd_url = f"http://{admin}/metrics", f"http://{stack.etcd_endpoint}/metrics"
         start, compacted_before = stack.server_counts(), compacted_bytes(broker_url)
-        with StorageProbe(stack) as probe:
+        following = Tail(bootstrap, topic, partitions) if tail else None
+        with following or contextlib.nullcontext(), StorageProbe(stack) as probe:
             hist, disk = histogram_buckets(broker_url, BROKER_HISTOGRAMS), histogram_buckets(etcd_url, ETCD_HISTOGRAMS)
             since, busy, queued = time.perf_counter(), machine_busy_s(), run_queue_waits()
             etcd, weed = (p.pid for p in stack.procs)
             with CpuMeter({"broker": [proc.pid, log_process, *workers], "log process": [log_process],
-                           "workers": workers, "SeaweedFS": [weed], "etcd": [etcd]}) as cpu:
+                           "workers": workers, "SeaweedFS": [weed], "etcd": [etcd],
+                           "tail consumer": [] if following is None else [following.pid]}) as cpu:
                 offered, acked, failed, lat, secs = offer_load(bootstrap, topic, partitions, rate, seconds, drain)
             wall = time.perf_counter() - since
             machine, stolen = ((b - a) / wall for a, b in zip(busy, machine_busy_s(), strict=True))
@@ -607,7 +664,7 @@ def measure(stack: DevStack, logdir: Path, mode: str, rnd: int, partitions: int,
                lat, cpu.cores["broker"], {k: cpu.cores[k] for k in ("log process", "workers", "SeaweedFS", "etcd")},
                cpu.cores["bench client"], machine, stolen, waiting, log_waited, peak, idle, open_s, broker_ms, etcd_ms,
                requests, pauses, compacted, rewrote, pct(probe.puts, 0.99), pct(probe.txns, 0.99), reference,
-               idle_bound)
+               idle_bound, -1 if following is None else following.read, cpu.cores["tail consumer"])
 
 
 def idle_latency_bound(stack: DevStack) -> float:
@@ -649,6 +706,8 @@ def report(runs: list[Run]) -> None:
             print(f"       CPU cores: broker {r.cpu:.2f} ({of}), the producer {r.client_cpu:.2f}, the whole machine "
                   f"{r.machine_cpu:.2f} of {os.cpu_count()} ({r.stolen:.2f} stolen by the hypervisor); the machine's "
                   f"reference work {r.reference_ms:.0f} ms")
+            if r.tail_read >= 0:
+                print(f"       the tail consumer read {r.tail_read} records during the load, {r.tail_cpu:.2f} cores")
             print(f"       waiting for a CPU: {r.waiting:.2f} tasks of the machine on average; the log process's "
                   f"threads {r.log_waited:.2f} s a second they ran")
             print(f"       in etcd: p99/max ms: {disk}; its DB {r.db_mib[0]:.1f} -> {r.db_mib[1]:.1f} MiB")
@@ -711,6 +770,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run every P this many times, in turn, and report the "
                     "medians too")
     ap.add_argument("--s3-on-disk", action="store_true", help="keep SeaweedFS's objects on etcd's disk")
+    ap.add_argument("--tail", action="store_true", help="a consumer reads every partition from its end during the "
+                    "load")
     add_client_arguments(ap, "the producer that offers the load (aiokafka and sarama: a request per broker, not "
                          "per partition)")
     args = ap.parse_args()
@@ -726,7 +787,8 @@ def main() -> None:
         for rate in (int(x) for x in args.rates.split(",")):
             for rnd, n in itertools.product(range(args.rounds), counts):
                 with fresh_stack(args.s3_on_disk) as (stack, tmp):
-                    runs.append(measure(stack, Path(tmp), mode, rnd, n, rate, args.seconds, args.drain, offer_load))
+                    runs.append(measure(stack, Path(tmp), mode, rnd, n, rate, args.seconds, args.drain, offer_load,
+                                        args.tail))
                 r = runs[-1]
                 print(f"{mode} P={n} rate={rate} round {rnd + 1}: {r.acked}/{r.offered} acked in "
                       f"{r.seconds:.1f} s", flush=True)
