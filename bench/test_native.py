@@ -23,7 +23,7 @@ from kafscale import _native
 from kafscale.broker import messages
 from kafscale.metadata.store import SegmentManifest
 from kafscale.protocol.framing import encode_request, encode_response, parse_request_header
-from kafscale.protocol.schemas import PRODUCE
+from kafscale.protocol.schemas import FETCH, PRODUCE
 from kafscale.storage.wal import Slice, directory
 
 MIB = 1 << 20
@@ -67,6 +67,33 @@ def _produce_request() -> tuple[memoryview, int]:
 def test_decode_produce_request(benchmark, decode):
     frame, at = _produce_request()
     benchmark(decode, frame, 9, at)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["fixed_dicts", "dict_zip_baseline"])
+def test_decode_fetch_request_1000_partitions(benchmark, native, monkeypatch):
+    """A consumer's Fetch v12 naming 1,000 partitions (librdkafka sends
+    every one in every Fetch), decoded by the schema codec: its partitions
+    made dicts by _native.fixed_dicts, against dict(zip(names, row)) and an
+    update a partition (what it replaced)."""
+    if not native:
+        def dict_zip(rows: list[tuple[Any, ...]], names: tuple[str, ...], defaults: dict[str, Any]
+                     ) -> list[dict[str, Any]]:
+            out = []
+            for row in rows:
+                d = dict(zip(names, row, strict=False))
+                d.update(defaults)
+                out.append(d)
+            return out
+        monkeypatch.setattr(_native, "fixed_dicts", dict_zip)
+    parts = [{"partition": p, "current_leader_epoch": -1, "fetch_offset": 1_000 + p, "last_fetched_epoch": -1,
+              "log_start_offset": -1, "partition_max_bytes": 1 << 20} for p in range(1000)]
+    req = {"cluster_id": None, "replica_id": -1, "max_wait_ms": 500, "min_bytes": 1, "max_bytes": 50 << 20,
+           "isolation_level": 0, "session_id": 0, "session_epoch": -1,
+           "topics": [{"topic": "orders", "partitions": parts}], "forgotten_topics_data": [], "rack_id": ""}
+    body = memoryview(b"".join(bytes(c) for c in FETCH.request.encode(req, 12).finish()))
+    assert FETCH.request.decode(body, 12)[0]["topics"][0]["partitions"] == parts
+    benchmark(FETCH.request.decode, body, 12)
+    benchmark.extra_info["us/partition"] = round(benchmark.stats.stats.mean * 1e3, 3)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "schema_codec_baseline"])

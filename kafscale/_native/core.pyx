@@ -18,6 +18,7 @@ from cpython.bytearray cimport (PyByteArray_AS_STRING, PyByteArray_FromStringAnd
 from cpython.bytes cimport PyBytes_AsString, PyBytes_FromStringAndSize
 from cpython.dict cimport PyDict_GetItemWithError
 from cpython.ref cimport PyObject
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport INT32_MAX, INT64_MIN, uint8_t, uint32_t, int64_t, uint64_t, int32_t
 from libc.stdlib cimport free, malloc, realloc
@@ -1566,6 +1567,31 @@ cdef tuple _produce_body(buf, Py_ssize_t pos, int version, bint dicts):
     if flex:
         _skip_tags(p, &pos, end)
     return tid, acks, timeout_ms, topics, pos
+
+
+def fixed_dicts(list rows, tuple names, dict defaults):
+    """Each row (a tuple holding at least len(names) values, as
+    struct.iter_unpack makes them) as a dict of names to its values, then
+    defaults: the elements of an array of fixed-size fields
+    (protocol/codec.py _StructCodec.fixed_rows), a consumer's Fetch naming
+    each of its partitions. dict(zip(names, row)) and an update made a
+    Fetch partition in 0.65-0.74 us, this in 0.15 (bench/README.md,
+    session 96)."""
+    cdef Py_ssize_t k = len(names), i
+    cdef list out = []
+    cdef dict d
+    cdef tuple row
+    for r in rows:
+        row = <tuple?>r
+        if PyTuple_GET_SIZE(row) < k:
+            raise ValueError(f"a row of {PyTuple_GET_SIZE(row)} values for {k} names")
+        d = {}
+        for i in range(k):
+            d[<object>PyTuple_GET_ITEM(names, i)] = <object>PyTuple_GET_ITEM(row, i)
+        if defaults:
+            d.update(defaults)
+        out.append(d)
+    return out
 
 
 def decode_produce_request(buf, Py_ssize_t pos, int version):

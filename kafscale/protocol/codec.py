@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from kafscale import _native
+
 _PRIMS = {
     "int8": struct.Struct(">b"),
     "int16": struct.Struct(">h"),
@@ -292,7 +294,7 @@ class _StructCodec:
                 fresh is None for _, _, fresh in self._defaults):
             self.fixed = struct.Struct(">" + "".join(_PRIMS[f.type].format[1:] for f in self.regular)
                                        + ("B" if flexible else ""))
-            self._fixed_names = [f.name for f in self.regular]
+            self._fixed_names = tuple(f.name for f in self.regular)
             self._fixed_defaults = {name: value for name, value, _ in self._defaults}
 
     def _reader(self, f: Field) -> Callable[[Reader], Any]:
@@ -394,13 +396,8 @@ class _StructCodec:
         if self.flexible and any(row[-1] for row in rows):
             return None
         r.pos = end
-        names, defaults = self._fixed_names, self._fixed_defaults
-        out = []
-        for row in rows:
-            d = dict(zip(names, row, strict=False))  # the tag count, in flexible versions, left out
-            d.update(defaults)
-            out.append(d)
-        return out
+        # the tag count, in flexible versions, left out: _native.fixed_dicts takes the first values only
+        return _native.fixed_dicts(rows, self._fixed_names, self._fixed_defaults)
 
     def _len(self, r: Reader, compact: bool, wide: bool) -> int:
         if compact:

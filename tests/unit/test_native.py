@@ -211,3 +211,15 @@ def test_decompression_stops_at_the_limit(codec):
     with pytest.raises(_native.BatchError) as exc:
         _native.validate_batches(batch, True, 100_000)
     assert exc.value.code == 10  # MESSAGE_TOO_LARGE
+
+
+def test_fixed_dicts_makes_each_row_a_dict_of_its_names_then_the_defaults():
+    rows = [(1, 2, 0), (3, 4, 0)]  # a trailing value (a flexible version's tag count) is left out
+    got = _native.fixed_dicts(rows, ("a", "b"), {"c": -1})
+    assert got == [{"a": 1, "b": 2, "c": -1}, {"a": 3, "b": 4, "c": -1}]
+    assert [list(d) for d in got] == [["a", "b", "c"]] * 2, "the names first, then the defaults"
+    assert got[0] is not got[1] and _native.fixed_dicts([], ("a",), {}) == []
+    with pytest.raises(ValueError):
+        _native.fixed_dicts([(1,)], ("a", "b"), {})
+    with pytest.raises(TypeError):
+        _native.fixed_dicts([[1, 2]], ("a", "b"), {})
