@@ -216,6 +216,10 @@ class SharedCache:
         ref = self.ref(key)
         return None if ref is None else _cached(self.data, self.size, ref)
 
+    def read(self, key: str, offset: int, max_bytes: int) -> tuple[memoryview, bool] | None:
+        ref = self.ref(key)
+        return None if ref is None else _native.cached_slice(self.data, self.size, ref, offset, max_bytes)
+
     def batches(self, keys: Iterable[str]) -> list[memoryview | None]:
         """The batches of each cached segment (its header and footer left out;
         None: not cached), as compaction copies them: valid until the next
@@ -244,18 +248,27 @@ class CacheReader:
 
     def acquire(self, ref: CacheRef) -> CachedSegment | None:
         """The segment at `ref`, pinned until release(its position); None if overwritten."""
+        return _cached(self.data, self.size, ref) if self._pin(ref) else None
+
+    def read(self, ref: CacheRef, offset: int, max_bytes: int) -> tuple[memoryview, bool] | None:
+        """acquire(ref).slice_from(offset, max_bytes), without making the
+        segment (_native.cached_slice); pinned the same way."""
+        return _native.cached_slice(self.data, self.size, ref, offset, max_bytes) if self._pin(ref) else None
+
+    def _pin(self, ref: CacheRef) -> bool:
+        """Pin the segment at `ref` until release(its position); False if it was overwritten."""
         if self.size == 0:
-            return None
+            return False
         pos = ref_position(ref)
         low = min(pos, self._held[0]) if self._held else pos
         _native.atomic_store(self.header, self._pin_at, low)
         if pos < _native.atomic_load(self.header, _RESERVE) - self.size:
             self._publish()
             self.misses += 1
-            return None
+            return False
         bisect.insort(self._held, pos)
         self.hits += 1
-        return _cached(self.data, self.size, ref)
+        return True
 
     def release(self, pos: int) -> None:
         del self._held[bisect.bisect_left(self._held, pos)]

@@ -67,8 +67,23 @@ class _ViewCache:
         if seg is None:
             del self.refs[key]
             return None
-        ON_SENT.get().append(lambda: self.reader.release(ref_position(ref)))
+        self._release_when_sent(ref)
         return seg
+
+    def read(self, key: str, offset: int, max_bytes: int) -> tuple[memoryview, bool] | None:
+        ref = self.refs.get(key)
+        if ref is None:
+            return None
+        got = self.reader.read(ref, offset, max_bytes)
+        if got is None:
+            del self.refs[key]
+            return None
+        self._release_when_sent(ref)
+        return got
+
+    def _release_when_sent(self, ref: CacheRef) -> None:
+        """The segment at ref stays pinned until the response reading it is sent."""
+        ON_SENT.get().append(lambda: self.reader.release(ref_position(ref)))
 
     def holds(self, key: str) -> bool:
         return key in self.refs

@@ -41,6 +41,9 @@ class SegmentSource(Protocol):
 
     def get(self, key: str) -> CachedSegment | None: ...
 
+    def read(self, key: str, offset: int, max_bytes: int) -> tuple[memoryview, bool] | None:
+        """get(key).slice_from(offset, max_bytes), or None if it is not cached."""
+
     def holds(self, key: str) -> bool: ...
 
     def put(self, key: str, seg: CachedSegment) -> None: ...
@@ -242,10 +245,10 @@ class LogReader:
         the cursor they came from (None: the cache). None when not `wait` and
         the data is not at hand yet."""
         m = self.segments[i]
-        seg = self.cache.get(m.ref)
-        if seg is not None:
+        cached = self.cache.read(m.ref, offset, max_bytes)
+        if cached is not None:
             _segment_reads("cache").inc()
-            chunk, to_end = seg.slice_from(offset, max_bytes)
+            chunk, to_end = cached
             return chunk, m.last + 1 if to_end else None, None
         if not wait and not any(w.covers(m.ref, offset) and w.data.done() for c in self.cursors for w in c):
             return None

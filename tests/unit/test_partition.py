@@ -44,6 +44,10 @@ class DictCache:
     def get(self, key):
         return self.segments.get(key)
 
+    def read(self, key, offset, max_bytes):
+        seg = self.segments.get(key)
+        return None if seg is None else seg.slice_from(offset, max_bytes)
+
     def holds(self, key):
         return key in self.segments
 

@@ -37,6 +37,9 @@ class NoCache:
     def get(self, key: str) -> None:
         return None
 
+    def read(self, key: str, offset: int, max_bytes: int) -> None:
+        return None
+
     def holds(self, key: str) -> bool:
         return False
 

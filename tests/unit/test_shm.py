@@ -186,6 +186,41 @@ def test_a_cache_entry_is_no_object_of_the_cyclic_collector_and_keeps_every_batc
     assert bytes(got.slice_from(10, 1)[0]) == bytes(range(60, 130))
 
 
+def test_a_read_of_a_cached_segment_slices_it_as_the_segment_itself_does():
+    """SharedCache.read and CacheReader.read (_native.cached_slice, from the
+    ref alone) give what slice_from of the cached segment gives, for any
+    offset and size; the reader's read pins the segment as acquire does."""
+    rnd = random.Random(5)
+    area = SharedArea(1, 64, 1 << 13)  # the first segments are overwritten by the last
+    cache, reader = SharedCache(area), CacheReader(area, 0)
+    for round_ in range(60):
+        count = rnd.randint(1, 12)
+        sizes = [rnd.randint(1, 90) for _ in range(count)]
+        positions = [HEADER_SIZE + sum(sizes[:i]) for i in range(count)]
+        bases = sorted(rnd.sample(range(1000), count))
+        data = bytes(rnd.randrange(256) for _ in range(HEADER_SIZE + sum(sizes) + FOOTER_SIZE))
+        key = f"s{round_}"
+        cache.put(key, CachedSegment(data, bases, positions))
+        if round_ == 0:
+            first = cache.refs[key]
+        whole = cache.get(key)
+        assert whole is not None
+        for _ in range(40):
+            offset, max_bytes = rnd.randint(-5, 1005), rnd.choice([0, 1, rnd.randint(1, 400), 1 << 20])
+            chunk, to_end = whole.slice_from(offset, max_bytes)
+            expected = (bytes(chunk), to_end)
+            got = cache.read(key, offset, max_bytes)
+            assert got is not None and (bytes(got[0]), got[1]) == expected, (bases, positions, offset, max_bytes)
+            pinned = reader.read(cache.refs[key], offset, max_bytes)
+            assert pinned is not None and (bytes(pinned[0]), pinned[1]) == expected
+            reader.release(ref_position(cache.refs[key]))
+    assert cache.read("missing", 0, 100) is None
+    with pytest.raises(ValueError):
+        _native.cached_slice(cache.data, cache.size, bytes(20), 0, 100)
+    assert "s0" not in cache.refs and cache.read("s0", 0, 100) is None
+    assert reader.read(first, 0, 100) is None and reader.misses == 1, "overwritten: not pinned, not read"
+
+
 def test_the_cache_says_how_long_it_keeps_a_segment_at_the_rate_it_is_written(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(shm.time, "monotonic", lambda: now[0])
