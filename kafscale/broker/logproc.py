@@ -175,7 +175,10 @@ class LogService:
         viewers = self._viewers.pop(tp, None) if lg.closed else self._viewers.get(tp)  # a closed log's views end
         if not viewers:
             return
-        ref = self.cache.ref(manifest.ref) if manifest is not None else None
+        # the cache's refs hold only what its ring still has (each put drops the refs it overwrites), and a
+        # worker checks a ref again as it reads: SharedCache.ref's check of the position (three Python
+        # calls) is not needed here, once a slice of every partition a worker views at each node commit
+        ref = self.cache.refs.get(manifest.ref) if manifest is not None else None
         if not self._changes:
             asyncio.get_running_loop().call_soon(self._send_changes)
         self._changes.append((messages.PartitionChanged.sent(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start,
