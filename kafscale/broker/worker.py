@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from kafscale import _native, metrics
 from kafscale.broker import messages
@@ -52,6 +52,9 @@ def _unanswered(_result: Any) -> None:
     """The reply to an acks=0 produce: nobody waits for it."""
 
 
+T = TypeVar("T")
+
+
 class _ViewCache:
     """A partition view's window onto the shared cache (SegmentSource)."""
 
@@ -61,29 +64,20 @@ class _ViewCache:
 
     def get(self, key: str) -> CachedSegment | None:
         ref = self.refs.get(key)
-        if ref is None:
-            return None
-        seg = self.reader.acquire(ref)
-        if seg is None:
-            del self.refs[key]
-            return None
-        self._release_when_sent(ref)
-        return seg
+        return None if ref is None else self._pinned(key, ref, self.reader.acquire(ref))
 
     def read(self, key: str, offset: int, max_bytes: int) -> tuple[memoryview, bool] | None:
         ref = self.refs.get(key)
-        if ref is None:
-            return None
-        got = self.reader.read(ref, offset, max_bytes)
+        return None if ref is None else self._pinned(key, ref, self.reader.read(ref, offset, max_bytes))
+
+    def _pinned(self, key: str, ref: CacheRef, got: T | None) -> T | None:
+        """What the reader gave for `ref`: None (overwritten) forgets `key`;
+        else the segment stays pinned until the response reading it is sent."""
         if got is None:
             del self.refs[key]
-            return None
-        self._release_when_sent(ref)
+        else:
+            ON_SENT.get().append(lambda: self.reader.release(ref_position(ref)))
         return got
-
-    def _release_when_sent(self, ref: CacheRef) -> None:
-        """The segment at ref stays pinned until the response reading it is sent."""
-        ON_SENT.get().append(lambda: self.reader.release(ref_position(ref)))
 
     def holds(self, key: str) -> bool:
         return key in self.refs
