@@ -111,6 +111,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -216,7 +217,38 @@ def _probe(bucket: str, s3_endpoint: str, etcd_endpoint: str, conn: Connection) 
     conn.send(asyncio.run(run()))
 
 
-class StorageProbe:
+class SideProcess:
+    """A process of its own while the block runs (spawned: not a fork of a
+    process with librdkafka's threads): target(*args, conn) sends "ready"
+    once it is, works until the block ends (conn.poll()), then sends what it
+    found (`result`; None if nothing came within a minute)."""
+
+    def __init__(self, what: str, target: Callable[..., None], *args: object, start_s: float = 60) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+        self.what, self.start_s = what, start_s
+        self.result: Any = None
+
+    def __enter__(self) -> SideProcess:
+        self._proc.start()
+        if not self._conn.poll(self.start_s) or self._conn.recv() != "ready":
+            raise RuntimeError(f"the {self.what} did not start")
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self._proc.pid is not None
+        return self._proc.pid
+
+    def __exit__(self, *exc: object) -> None:
+        self._conn.send("stop")
+        if self._conn.poll(60):
+            self.result = self._conn.recv()
+        self._proc.join(30)
+
+
+class StorageProbe(SideProcess):
     """S3 PUT and etcd transaction latencies as a client of the same servers
     sees them while the block runs (the probe is a process of its own, so
     neither the producer's loop nor the broker's delays its timings). Its
@@ -226,26 +258,14 @@ class StorageProbe:
     requests are counted, to be left out of the servers' counts."""
 
     def __init__(self, stack: DevStack) -> None:
-        self.stack = stack
+        super().__init__("storage probe", _probe, stack.bucket, stack.s3_endpoint, stack.etcd_endpoint)
         self.puts: list[float] = []
         self.txns: list[float] = []
 
-    def __enter__(self) -> StorageProbe:
-        ctx = multiprocessing.get_context("spawn")  # not a fork of a process with librdkafka's threads
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_probe, args=(self.stack.bucket, self.stack.s3_endpoint,
-                                                      self.stack.etcd_endpoint, child), daemon=True)
-        self._proc.start()
-        if not self._conn.poll(60) or self._conn.recv() != "ready":
-            raise RuntimeError("the storage probe did not start")
-        return self
-
     def __exit__(self, *exc: object) -> None:
-        self._conn.send("stop")
-        if self._conn.poll(60):
-            puts, txns = self._conn.recv()
-            self.puts, self.txns = sorted(puts), sorted(txns)
-        self._proc.join(30)
+        super().__exit__(*exc)
+        if self.result is not None:
+            self.puts, self.txns = (sorted(x) for x in self.result)
 
 
 def _tail(bootstrap: str, topic: str, partitions: int, conn: Connection) -> None:
@@ -267,32 +287,16 @@ def _tail(bootstrap: str, topic: str, partitions: int, conn: Connection) -> None
     conn.send(read)
 
 
-class Tail:
+class Tail(SideProcess):
     """--tail's consumer while the block runs: its pid (for CpuMeter) and,
-    after the block, the records it read."""
+    after the block, the records it read (`read`, -1 if it did not say)."""
 
     def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
-        ctx = multiprocessing.get_context("spawn")  # not a fork of a process with librdkafka's threads
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_tail, args=(bootstrap, topic, partitions, child), daemon=True)
-        self.read = -1
-
-    def __enter__(self) -> Tail:
-        self._proc.start()
-        if not self._conn.poll(120) or self._conn.recv() != "ready":
-            raise RuntimeError("the tail consumer did not start")
-        return self
+        super().__init__("tail consumer", _tail, bootstrap, topic, partitions, start_s=120)
 
     @property
-    def pid(self) -> int:
-        assert self._proc.pid is not None
-        return self._proc.pid
-
-    def __exit__(self, *exc: object) -> None:
-        self._conn.send("stop")
-        if self._conn.poll(60):
-            self.read = self._conn.recv()
-        self._proc.join(30)
+    def read(self) -> int:
+        return -1 if self.result is None else int(self.result)
 
 
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
