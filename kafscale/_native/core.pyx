@@ -1057,10 +1057,9 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
     idempotent producer wrote one of its batches. Of each slice, piece(log,
     its manifest, items) (wal.Slice) goes in the slices returned, its
     manifest being manifest(base, last, count, size, min_ts, max_ts, key,
-    created_ms, producers, pos, ref) (SegmentManifest, given its ref "key#pos":
-    the same string is its cache entry's key, so a lookup finds that key by
-    identity; tests/unit/test_segment.py checks it is the ref SegmentManifest
-    makes); its cache entry (ref, position, size, and its cache tables:
+    created_ms, producers, pos, ref) (SegmentManifest, given its ref "key#pos";
+    tests/unit/test_segment.py checks it is the ref SegmentManifest makes);
+    its cache entry (shm.Entry: its position, size, and its cache tables:
     _tables, positions from the slice's start) in the entries; its
     directory row (directory_rows, its topic placed in `places`) in the
     rows, and its topic's place, partition, base and last offset as
@@ -1106,7 +1105,7 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
             ref = f"{key}#{start}"
             slices.append(piece(lg, manifest(tab.bases[0], st.last_offset, st.count, pos - start, st.min_ts,
                                              st.max_ts, key, created_ms, producers, start, ref), items))
-            entries.append((ref, start, pos - start, _tables(&tab)))
+            entries.append((start, pos - start, _tables(&tab)))
             vals[0], vals[1], vals[2], vals[3] = _place(places, lg.topic), lg.partition, tab.bases[0], st.last_offset
             memcpy(summed + 4 * len(slices) - 4, vals, 32)
             vals[4], vals[5], vals[6], vals[7], vals[8] = st.count, start, pos - start, st.min_ts, st.max_ts
@@ -1115,36 +1114,6 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
         _tab_free(&tab)
     PyByteArray_Resize(rows, used)
     return data, slices, entries, rows, summary
-
-
-def place_refs(refs, list entries, int64_t shift, int64_t floor):
-    """A shared cache's refs (broker/shm.py SharedCache.put_object) for
-    segments just copied into it: each entry (key, position, size, tables)
-    becomes refs[key], its position + shift and its size as native-endian
-    8-byte integers followed by its tables (shm.CacheRef), at the end of
-    refs (an OrderedDict, oldest first); then the oldest refs whose position
-    is below floor (overwritten since) go. With this done in Python, a put
-    of a 1,000-slice node object took 0.94-0.99 us a slice, 0.58-0.62 with
-    it (bench/README.md, session 90)."""
-    cdef Py_ssize_t n
-    cdef int64_t head[2]
-    cdef bytes ref, tables
-    for key, pos, size, tables in entries:
-        n = len(tables)
-        ref = PyBytes_FromStringAndSize(NULL, 16 + n)
-        head[0], head[1] = <int64_t>pos + shift, size
-        memcpy(<char *>ref, head, 16)
-        memcpy(<char *>ref + 16, <const char *>tables, n)
-        if key in refs:
-            del refs[key]
-        refs[key] = ref
-    while refs:
-        key = next(iter(refs))
-        ref = refs[key]
-        memcpy(head, <const char *>ref, 8)
-        if head[0] >= floor:
-            break
-        del refs[key]
 
 
 cdef inline int64_t _ref_i64(const char *r, Py_ssize_t i) noexcept nogil:
@@ -1194,29 +1163,105 @@ def cached_slice(data, Py_ssize_t size, bytes ref, int64_t offset, Py_ssize_t ma
     return data[at + start:at + end], end == body_end
 
 
-def cached_batches(refs, keys, int64_t floor, data, Py_ssize_t size):
-    """SharedCache.batches: of each key, the batches of the segment its ref
-    (place_refs) names in the ring `data` of `size` bytes, header and footer
-    left out, or None (not cached, or overwritten: at a position below
-    floor). In Python this loop had 2% of py-spy's samples of bench.logproc
-    at 1,000 partitions (bench/README.md, session 94)."""
-    cdef list found = []
+def pack_entries(list entries):
+    """The positions and sizes of a cache object's entries (shm.Entry), as
+    native-endian 8-byte integers in pairs, for _cache_entry to search: a
+    binary search over the entries themselves (tuples of Python ints) took
+    about thirty cache misses a lookup in a cache of 800 node objects of
+    1,000 slices each (2.4 us a slice; bench/README.md, session 97)."""
+    cdef Py_ssize_t i, n = len(entries)
+    cdef bytes packed = PyBytes_FromStringAndSize(NULL, 16 * n)  # new, so written in place
+    cdef int64_t *v = <int64_t *><char *>packed
+    cdef tuple entry
+    for i in range(n):
+        entry = <tuple?>entries[i]
+        v[2 * i], v[2 * i + 1] = entry[0], entry[1]
+    return packed
+
+
+cdef Py_ssize_t _cache_entry(dict objects, object m, int64_t floor, int64_t *at, Py_ssize_t *size) except -2:
+    """The index in its object's entries of the segment manifest m names in
+    a shared cache's objects (shm.SharedCache: object key -> (shift, entries,
+    pack_entries(entries))), its absolute position in the ring in `at` and
+    its size in `size`; -1 if it is not there, or was overwritten (at a
+    position below floor). The positions are searched where they would be
+    if the entries were of one size (a node object's slices mostly are),
+    then by halves."""
+    cdef PyObject *found = PyDict_GetItemWithError(objects, m.key)
+    if found == NULL:
+        return -1
+    cdef tuple placed = <tuple?>(<object>found)
+    cdef bytes packed = <bytes?>placed[2]
+    cdef const int64_t *v = <const int64_t *><const char *>packed
+    cdef Py_ssize_t n = len(packed) // 16, lo = 0, hi = n, mid
+    cdef int64_t pos = m.pos, first, last
+    if pos < 0:  # a segment object of its own: it starts at the object's byte 0
+        pos = 0
+    if n == 0:
+        return -1
+    first, last = v[0], v[2 * (n - 1)]
+    if first < pos < last:  # a first guess, then the halves on its side
+        mid = <Py_ssize_t>((<double>(pos - first) / (last - first)) * (n - 1))
+        if v[2 * mid] < pos:
+            lo = mid + 1
+        else:
+            hi = mid + 1
+    while lo < hi:  # the first entry at pos or after it
+        mid = (lo + hi) // 2
+        if v[2 * mid] < pos:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo == n or v[2 * lo] != pos:
+        return -1
+    at[0] = <int64_t>placed[0] + pos
+    size[0] = v[2 * lo + 1]
+    return -1 if at[0] < floor else lo
+
+
+def cache_ref(dict objects, m, int64_t floor):
+    """The cache ref (shm.CacheRef: absolute position and size, then the
+    tables) of the segment manifest m names, if a shared cache's objects
+    hold it and it has not been overwritten (floor: the oldest valid
+    position); else None. Made only when a worker is to read it: one a
+    cached slice, kept until the ring overwrote it, cost the log process
+    its making and a dict entry each (bench/README.md, session 97)."""
     cdef int64_t head[2]
-    cdef Py_ssize_t off
-    cdef PyObject *ref
-    if not isinstance(refs, dict):
-        raise TypeError("refs must be a dict")
-    for key in keys:
-        ref = PyDict_GetItemWithError(refs, key)  # an OrderedDict's items are its dict's
-        if ref == NULL:
+    cdef Py_ssize_t size
+    cdef Py_ssize_t i = _cache_entry(objects, m, floor, &head[0], &size)
+    if i < 0:
+        return None
+    head[1] = size
+    cdef bytes tables = <bytes?>(<tuple?>(<list?>(<tuple>objects[m.key])[1])[i])[2]
+    cdef Py_ssize_t n = len(tables)
+    cdef bytes ref = PyBytes_FromStringAndSize(NULL, 16 + n)  # new, so written in place
+    memcpy(<char *>ref, head, 16)
+    memcpy(<char *>ref + 16, <const char *>tables, n)
+    return ref
+
+
+def cache_holds(dict objects, m, int64_t floor):
+    """Whether cache_ref would find m's segment (without making its ref)."""
+    cdef int64_t at
+    cdef Py_ssize_t size
+    return _cache_entry(objects, m, floor, &at, &size) >= 0
+
+
+def cached_batches(dict objects, manifests, int64_t floor, data, Py_ssize_t size):
+    """SharedCache.batches: of the segment each manifest names, its batches
+    in the ring `data` of `size` bytes (header and footer left out), or None
+    (not cached, or overwritten: at a position below floor). In Python this
+    loop had 2% of py-spy's samples of bench.logproc at 1,000 partitions
+    (bench/README.md, session 94)."""
+    cdef list found = []
+    cdef int64_t at
+    cdef Py_ssize_t off, n
+    for m in manifests:
+        if _cache_entry(objects, m, floor, &at, &n) < 0:
             found.append(None)
             continue
-        memcpy(head, PyBytes_AsString(<object>ref), 16)
-        if head[0] < floor:
-            found.append(None)
-            continue
-        off = head[0] % size
-        found.append(data[off + KFS_HEADER:off + head[1] - KFS_FOOTER])
+        off = at % size
+        found.append(data[off + KFS_HEADER:off + n - KFS_FOOTER])
     return found
 
 

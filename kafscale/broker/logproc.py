@@ -161,7 +161,7 @@ class LogService:
             lg = await partitions.partition_log(meta.name, p)
         except LogError as exc:
             return messages.ViewRefused(exc.code, str(exc))
-        cached = {m.ref: ref for m in lg.segments if (ref := self.cache.ref(m.ref)) is not None}
+        cached = {m.ref: ref for m in lg.segments if (ref := self.cache.ref(m)) is not None}
         self._viewers.setdefault((lg.topic, lg.partition), set()).add(ch)  # its changes after this snapshot
         self._send_changes()  # the worker applies the changes before this snapshot first
         return messages.PartitionSnapshot(meta.name, meta.id, lg.hw, lg.log_start, list(lg.segments), cached)
@@ -175,10 +175,7 @@ class LogService:
         viewers = self._viewers.pop(tp, None) if lg.closed else self._viewers.get(tp)  # a closed log's views end
         if not viewers:
             return
-        # the cache's refs hold only what its ring still has (each put drops the refs it overwrites), and a
-        # worker checks a ref again as it reads: SharedCache.ref's check of the position (three Python
-        # calls) is not needed here, once a slice of every partition a worker views at each node commit
-        ref = self.cache.refs.get(manifest.ref) if manifest is not None else None
+        ref = self.cache.ref(manifest) if manifest is not None else None
         if not self._changes:
             asyncio.get_running_loop().call_soon(self._send_changes)
         self._changes.append((messages.PartitionChanged.sent(lg.topic, lg.partition, lg.closed, lg.hw, lg.log_start,

@@ -169,15 +169,16 @@ class RecentCache(SegmentSource, Protocol):
         """About how long a segment put now stays in the cache (math.inf: for good)."""
         ...
 
-    def batches(self, keys: Iterable[str]) -> list[memoryview | None]:
+    def batches(self, manifests: Iterable[SegmentManifest]) -> list[memoryview | None]:
         """Each cached segment's batches (header and footer left out), for
         compaction to copy before its next await (None: not cached)."""
         ...
 
-    def put_object(self, body: memoryview, entries: list[tuple[str, int, int, bytes]]) -> None:
-        """Put the segments that lie back to back in body, each entry their key,
-        position, size and tables (CachedSegment.tables): a node object's
-        slices, committed together."""
+    def put_object(self, key: str, body: memoryview, entries: list[tuple[int, int, bytes]], at: int = 0) -> None:
+        """Put segments of object `key` that lie back to back in body (its
+        byte 0 the object's byte `at`), each entry their position in the
+        object, size and tables (CachedSegment.tables): a node object's
+        slices, committed together, or a shared object's segments."""
         ...
 
 

@@ -36,10 +36,11 @@ import mmap
 import struct
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 
 from kafscale import _native
+from kafscale.metadata.store import SegmentManifest
 from kafscale.storage.cache import CachedSegment
 
 NONE = 2**64 - 1
@@ -101,18 +102,21 @@ class Ring:
 
 # Where a committed segment sits in the shared cache, as one bytes object: its
 # position and size, then the first offset of each batch, then the byte
-# position of each batch (8-byte integers). The cache holds one for every
-# slice of a node object it has, up to hundreds of thousands, and the log
-# process makes one per slice (2,000 a second at 2,000 records/s over 100
-# partitions). Bytes are no objects of Python's cyclic collector at all; a
-# tuple is tracked until a collection has looked at it, so each one counted
-# towards the next young collection and was scanned by it: such tuples were
-# half of what each young collection of the log process went through, each
-# holding the event loop for 25-45 ms (bench/README.md). Made by
-# _native.place_refs (the tables: CachedSegment.tables, or a node slice's from
-# _native.assemble_node).
+# position of each batch (8-byte integers): what a worker is sent to read a
+# segment from the cache (messages.PartitionChanged, PartitionSnapshot). Bytes
+# are no objects of Python's cyclic collector. The log process makes one only
+# when a worker needs it (SharedCache.ref), from the object's entries.
 CacheRef = bytes
 _REF = struct.Struct("=qq")
+
+# A cache entry (SharedCache.put_object): a segment's position in its object,
+# its size and its tables (CachedSegment.tables: every batch's base offset,
+# then every batch's position from the segment's start, 8-byte integers).
+Entry = tuple[int, int, bytes]
+# An object put in the cache: how far its byte 0 lies from the ring's absolute
+# positions (a segment at p in it sits at shift + p), its entries in the order
+# of their positions, and their positions and sizes packed (_native.pack_entries).
+Placed = tuple[int, list[Entry], bytes]
 
 
 def ref_position(ref: CacheRef) -> int:
@@ -128,7 +132,16 @@ def _cached(data: memoryview, size: int, ref: CacheRef) -> CachedSegment:
 
 class SharedCache:
     """Log-process side: writes committed segments, answers its own reads.
-    Has the SegmentSource interface that PartitionLog reads through."""
+    Has the SegmentSource interface that PartitionLog reads through.
+
+    What it holds is kept by object (a node object, a shared compacted one,
+    or a segment object of its own), each object's entries in one list, not
+    a dict entry a segment: at 20,000 records/s over 1,000 partitions the
+    cache held about 450,000 slices, and a lookup in a dict of them (one per
+    slice, made at each commit and dropped as the ring moved on) cost a cache
+    miss or more each time; making and dropping their entries had 5.8% of
+    py-spy's samples of the log process, compaction's lookups 3.6%
+    (bench/README.md, session 97)."""
 
     def __init__(self, area: SharedArea) -> None:
         self.header = area.cache_mem[:area.cache_header]
@@ -136,7 +149,8 @@ class SharedCache:
         self.size = len(self.data)
         self.slots = area.slots
         self._head = 0
-        self.refs: OrderedDict[str, CacheRef] = OrderedDict()
+        self.objects: dict[str, Placed] = {}
+        self._placed: deque[tuple[int, str, Placed]] = deque()  # (end, key, its place), oldest first
         self.skipped_pinned = 0
         self._marks: deque[tuple[float, int]] = deque()  # (time, head), one a second, over RATE_WINDOW_S
 
@@ -147,26 +161,29 @@ class SharedCache:
         floor = end - self.size
         return any(_native.atomic_load(self.header, 64 + 8 * s) < floor for s in range(self.slots))
 
-    def put(self, key: str, seg: CachedSegment) -> None:
-        self.put_object(memoryview(seg.data), [(key, 0, len(seg.data), seg.tables())])
+    def put(self, m: SegmentManifest, seg: CachedSegment) -> None:
+        self.put_object(m.key, memoryview(seg.data), [(m.start, len(seg.data), seg.tables())], m.start)
 
-    def put_object(self, body: memoryview, entries: list[tuple[str, int, int, bytes]]) -> None:
-        """Write segments that lie back to back in body (a node object's
-        slices: each entry their key, position, size and tables) with one
-        reservation and one copy (one check of the workers' pins and one
-        eviction pass for all of them, not one each: per slice that was 7
-        µs, about 7% of the log process at 20,000 records/s over 100
-        partitions). If the space they need holds a segment a worker has
-        pinned, none is written (compaction then reads them from S3)."""
-        entries = [e for e in entries if e[2]]
+    def put_object(self, key: str, body: memoryview, entries: list[Entry], at: int = 0) -> None:
+        """Write segments of object `key` that lie back to back in body
+        (whose byte 0 is the object's byte `at`): a node object's slices or
+        a shared object's segments, each entry their position in the object,
+        size and tables, in the order of their positions. One reservation
+        and one copy (one check of the workers' pins and one eviction pass
+        for all of them, not one each: per slice that was 7 µs, about 7% of
+        the log process at 20,000 records/s over 100 partitions). If the
+        space they need holds a segment a worker has pinned, none is written
+        (compaction then reads them from S3). The object's entries replace
+        any it had before."""
+        entries = [e for e in entries if e[1]] if not all(e[1] for e in entries) else entries
         if not entries:
             return
-        lo, hi = entries[0][1], entries[-1][1] + entries[-1][2]
+        lo, hi = entries[0][0], entries[-1][0] + entries[-1][1]
         total = hi - lo
-        if total > self.size:  # more than the cache holds: those that fit alone, one by one
-            for entry in entries:
-                if entry[2] <= self.size:
-                    self.put_object(body, [entry])
+        if total > self.size:  # more than the cache holds: those that fit alone, one by one (the later ones
+            for entry in entries:  # replace the earlier ones, which they overwrite anyway unless very small)
+                if entry[1] <= self.size:
+                    self.put_object(key, body, [entry], at)
             return
         start = self._head
         off = start % self.size
@@ -182,8 +199,15 @@ class SharedCache:
             return
         self._head = end
         off = start % self.size
-        self.data[off:off + total] = body[lo:hi]
-        _native.place_refs(self.refs, entries, start - lo, self._oldest_valid())
+        self.data[off:off + total] = body[lo - at:hi - at]
+        placed = (start - lo, entries, _native.pack_entries(entries))
+        self.objects[key] = placed
+        self._placed.append((end, key, placed))
+        floor = self._oldest_valid()
+        while self._placed[0][0] <= floor:  # wholly overwritten (this one never is: end > floor)
+            _, gone, was = self._placed.popleft()
+            if self.objects.get(gone) is was:
+                del self.objects[gone]
         now = time.monotonic()
         if not self._marks or now - self._marks[-1][0] >= 1:
             self._marks.append((now, end))
@@ -204,34 +228,42 @@ class SharedCache:
                    for since, head in (self._marks[0], self._marks[max(len(self._marks) - 2, 0)]))
         return self.size / rate if rate > 0 else math.inf
 
-    def ref(self, key: str) -> CacheRef | None:
-        """Where `key` is cached, if it has not been overwritten since."""
-        ref = self.refs.get(key)
-        return None if ref is None or ref_position(ref) < self._oldest_valid() else ref
+    def ref(self, m: SegmentManifest) -> CacheRef | None:
+        """Where m's segment is cached, if it has not been overwritten since."""
+        return _native.cache_ref(self.objects, m, self._oldest_valid())
 
-    def holds(self, key: str) -> bool:
-        return self.ref(key) is not None
+    def holds(self, m: SegmentManifest) -> bool:
+        return _native.cache_holds(self.objects, m, self._oldest_valid())
 
-    def get(self, key: str) -> CachedSegment | None:
-        ref = self.ref(key)
+    def get(self, m: SegmentManifest) -> CachedSegment | None:
+        ref = self.ref(m)
         return None if ref is None else _cached(self.data, self.size, ref)
 
-    def read(self, key: str, offset: int, max_bytes: int) -> tuple[memoryview, bool] | None:
-        ref = self.ref(key)
+    def read(self, m: SegmentManifest, offset: int, max_bytes: int) -> tuple[memoryview, bool] | None:
+        ref = self.ref(m)
         return None if ref is None else _native.cached_slice(self.data, self.size, ref, offset, max_bytes)
 
-    def batches(self, keys: Iterable[str]) -> list[memoryview | None]:
+    def batches(self, manifests: Iterable[SegmentManifest]) -> list[memoryview | None]:
         """The batches of each cached segment (its header and footer left out;
         None: not cached), as compaction copies them: valid until the next
         put. How far the ring has moved is read once for all of them: a
         compaction takes a partition's slices, about a thousand at 20,000
         records/s over 100 partitions; a lookup each through ref() took 0.91
         µs a slice, one call for them all 0.46 (bench/README.md, session 80)."""
-        return _native.cached_batches(self.refs, keys, self._oldest_valid(), self.data, self.size)
+        return _native.cached_batches(self.objects, manifests, self._oldest_valid(), self.data, self.size)
+
+    def drop(self, m: SegmentManifest) -> None:
+        """Forget m's segment (its manifest is gone: nobody asks for it again).
+        Only a segment object of its own goes: a slice's bytes stay until
+        its object is overwritten."""
+        if m.pos < 0:
+            self.objects.pop(m.key, None)
 
     def drop_prefix(self, prefix: str) -> None:
-        for key in [k for k in self.refs if k.startswith(prefix)]:
-            del self.refs[key]
+        """Forget the objects whose keys start with prefix (a deleted topic's
+        segments: one of a new topic of its name may get the same key)."""
+        for key in [k for k in self.objects if k.startswith(prefix)]:
+            del self.objects[key]
 
 
 class CacheReader:

@@ -62,13 +62,13 @@ class _ViewCache:
         self.reader = reader
         self.refs: dict[str, CacheRef] = {}
 
-    def get(self, key: str) -> CachedSegment | None:
-        ref = self.refs.get(key)
-        return None if ref is None else self._pinned(key, ref, self.reader.acquire(ref))
+    def get(self, m: SegmentManifest) -> CachedSegment | None:
+        ref = self.refs.get(m.ref)
+        return None if ref is None else self._pinned(m.ref, ref, self.reader.acquire(ref))
 
-    def read(self, key: str, offset: int, max_bytes: int) -> tuple[memoryview, bool] | None:
-        ref = self.refs.get(key)
-        return None if ref is None else self._pinned(key, ref, self.reader.read(ref, offset, max_bytes))
+    def read(self, m: SegmentManifest, offset: int, max_bytes: int) -> tuple[memoryview, bool] | None:
+        ref = self.refs.get(m.ref)
+        return None if ref is None else self._pinned(m.ref, ref, self.reader.read(ref, offset, max_bytes))
 
     def _pinned(self, key: str, ref: CacheRef, got: T | None) -> T | None:
         """What the reader gave for `ref`: None (overwritten) forgets `key`;
@@ -79,11 +79,14 @@ class _ViewCache:
             ON_SENT.get().append(lambda: self.reader.release(ref_position(ref)))
         return got
 
-    def holds(self, key: str) -> bool:
-        return key in self.refs
+    def holds(self, m: SegmentManifest) -> bool:
+        return m.ref in self.refs
 
-    def put(self, key: str, seg: CachedSegment) -> None:
+    def put(self, m: SegmentManifest, seg: CachedSegment) -> None:
         """Only the log process writes the shared cache."""
+
+    def drop(self, m: SegmentManifest) -> None:
+        self.refs.pop(m.ref, None)
 
     def drop_prefix(self, prefix: str) -> None:
         for key in [k for k in self.refs if k.startswith(prefix)]:

@@ -433,7 +433,7 @@ class PartitionLog(LogReader):
         """What the next compaction takes (compaction's arguments) that the cache
         no longer holds, merged segments first: it reads them from S3."""
         merged, slices = self._compaction_parts(merge_limit, most_merged)
-        return [m for m in merged + slices if not self.cache.holds(m.ref)]
+        return [m for m in merged + slices if not self.cache.holds(m)]
 
     async def compaction(self, merge_limit: int = 0, most_merged: int = 0,
                          read_slice: Callable[[SegmentManifest], Awaitable[memoryview | None]] | None = None
@@ -448,7 +448,7 @@ class PartitionLog(LogReader):
         if not slices or self.closed:
             return None
         taken = merged + slices
-        parts: list[tuple[memoryview | bytes | None, int]] = list(zip(self.cache.batches([m.ref for m in taken]),
+        parts: list[tuple[memoryview | bytes | None, int]] = list(zip(self.cache.batches(taken),
                                                                    [m.base for m in taken], strict=True))
         missed = [i for i, (batches, _) in enumerate(parts) if batches is None]
         if missed:  # the cached ones are copied before the reads' awaits: meanwhile the ring moves on, and
@@ -544,7 +544,7 @@ class PartitionLog(LogReader):
             if closed:
                 await self._delete_objects([manifest], "a compaction of a closed log")
                 return
-            self.cache.put(manifest.ref, CachedSegment.from_built(built[2]))
+            self.cache.put(manifest, CachedSegment.from_built(built[2]))
             self.serve_compacted(manifest, built)
 
     async def release_fence(self, hand_over: HandOver | None = None) -> bool:
@@ -700,7 +700,7 @@ class PartitionLog(LogReader):
                 self.hw = self.checkpoint = seg.last_offset + 1
 
         await self._retry(f"commit of {key}", commit)
-        self.cache.put(key, CachedSegment.from_built(seg))
+        self.cache.put(manifest, CachedSegment.from_built(seg))
         self._resolve(items)
         self._on_change(self, manifest)
 
@@ -793,7 +793,7 @@ class PartitionLog(LogReader):
     async def _delete_objects(self, drop: list[SegmentManifest], why: str) -> None:
         """Delete segments no manifest names any more (failures leave only garbage)."""
         for m in drop:
-            self.cache.drop_prefix(m.ref)
+            self.cache.drop(m)
             if m.pos >= 0:  # a node object's slice: the object goes once all its slices are gone (wal.collect)
                 continue
             try:

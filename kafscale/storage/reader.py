@@ -39,16 +39,20 @@ class LogError(KafkaError):
 class SegmentSource(Protocol):
     """Where whole recent segments are kept (in-process or shared memory)."""
 
-    def get(self, key: str) -> CachedSegment | None: ...
+    def get(self, m: SegmentManifest) -> CachedSegment | None: ...
 
-    def read(self, key: str, offset: int, max_bytes: int) -> tuple[memoryview, bool] | None:
-        """get(key).slice_from(offset, max_bytes), or None if it is not cached."""
+    def read(self, m: SegmentManifest, offset: int, max_bytes: int) -> tuple[memoryview, bool] | None:
+        """get(m).slice_from(offset, max_bytes), or None if it is not cached."""
 
-    def holds(self, key: str) -> bool: ...
+    def holds(self, m: SegmentManifest) -> bool: ...
 
-    def put(self, key: str, seg: CachedSegment) -> None: ...
+    def put(self, m: SegmentManifest, seg: CachedSegment) -> None: ...
 
-    def drop_prefix(self, prefix: str) -> None: ...
+    def drop(self, m: SegmentManifest) -> None:
+        """Forget m's segment: its manifest is gone."""
+
+    def drop_prefix(self, prefix: str) -> None:
+        """Forget every segment whose object key starts with prefix."""
 
 
 MIN_WINDOW = 1024 * 1024  # smallest ranged GET planned when read-ahead memory runs short
@@ -245,7 +249,7 @@ class LogReader:
         the cursor they came from (None: the cache). None when not `wait` and
         the data is not at hand yet."""
         m = self.segments[i]
-        cached = self.cache.read(m.ref, offset, max_bytes)
+        cached = self.cache.read(m, offset, max_bytes)
         if cached is not None:
             _segment_reads("cache").inc()
             chunk, to_end = cached
@@ -350,7 +354,7 @@ class LogReader:
             if not 0 <= i < len(self.segments):
                 return
             m = self.segments[i]
-            if self.cache.holds(m.ref):  # recent segments: read from the cache when their turn comes
+            if self.cache.holds(m):  # recent segments: read from the cache when their turn comes
                 return
             offset = m.base if last.at_end else last.stop
             idx = None
@@ -393,12 +397,12 @@ class LogReader:
     async def whole(self, m: SegmentManifest, keep: bool = True) -> CachedSegment:
         """The whole segment, from the cache or with one GET (then cached, if
         `keep`: a compaction reads what it is about to replace)."""
-        seg = self.cache.get(m.ref)
+        seg = self.cache.get(m)
         if seg is None:
             whole = await (self.store.get(m.key) if m.pos < 0 else self.store.get(m.key, m.pos, m.pos + m.size))
             seg = CachedSegment.from_object(whole)
             if keep:
-                self.cache.put(m.ref, seg)
+                self.cache.put(m, seg)
         return seg
 
     async def offset_for_timestamp(self, ts: int) -> tuple[int, int]:

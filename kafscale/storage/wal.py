@@ -155,10 +155,10 @@ def layout_order(lg: PartitionLog) -> tuple[str, int]:
 
 
 # A node object uploaded, waiting for its commit: its directory, its slices, the
-# object and its slices' entries for the cache (RecentCache.put_object), its
+# object, its key and its slices' entries for the cache (RecentCache.put_object), its
 # summary for this broker's collector (NodeFlusher.handed_over), and the future
 # its flush waits on
-_Uploaded = tuple[bytes, list[Slice], tuple[memoryview, list[tuple[str, int, int, bytes]]], "Summary",
+_Uploaded = tuple[bytes, list[Slice], tuple[memoryview, str, list[tuple[int, int, bytes]]], "Summary",
                   asyncio.Future[None]]
 
 
@@ -525,7 +525,7 @@ class NodeFlusher:
         if self._failed is not None:
             raise self._failed
         committed = asyncio.get_running_loop().create_future()
-        self._uploaded[seq] = (dir_raw, slices, (memoryview(body), cached), summarized, committed)
+        self._uploaded[seq] = (dir_raw, slices, (memoryview(body), key, cached), summarized, committed)
         if self._committer is None or self._committer.done():
             self._committer = asyncio.create_task(self._commit_uploaded(), name="node commit")
         await committed
@@ -564,12 +564,12 @@ class NodeFlusher:
                 return
             faults.reached("after-commit")
             self._committed = group[-1][0]
-            for seq, (_, slices, (body, cached), summarized, fut) in group:
+            for seq, (_, slices, (body, key, cached), summarized, fut) in group:
                 self._summaries[self.meta.wal_key(fence, seq)] = summarized
                 if len(self._summaries) > HANDED_MAX:  # nobody takes them: the oldest go (read back if needed)
                     del self._summaries[next(iter(self._summaries))]
                 try:
-                    self.cache.put_object(body, cached)
+                    self.cache.put_object(key, body, cached)
                     for i in range(0, len(slices), COMMITTED_TURN):
                         if i:  # the acknowledgements so far go out first
                             await asyncio.sleep(0)

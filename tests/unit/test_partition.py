@@ -41,25 +41,28 @@ class DictCache:
     def keeps_s(self):
         return self.keeps
 
-    def get(self, key):
-        return self.segments.get(key)
+    def get(self, m):
+        return self.segments.get(m.ref)
 
-    def read(self, key, offset, max_bytes):
-        seg = self.segments.get(key)
+    def read(self, m, offset, max_bytes):
+        seg = self.segments.get(m.ref)
         return None if seg is None else seg.slice_from(offset, max_bytes)
 
-    def holds(self, key):
-        return key in self.segments
+    def holds(self, m):
+        return m.ref in self.segments
 
-    def batches(self, keys):
-        return [None if (seg := self.segments.get(key)) is None else seg.batches() for key in keys]
+    def batches(self, manifests):
+        return [None if (seg := self.segments.get(m.ref)) is None else seg.batches() for m in manifests]
 
-    def put(self, key, seg):
-        self.segments[key] = seg
+    def put(self, m, seg):
+        self.segments[m.ref] = seg
 
-    def put_object(self, body, entries):
-        for key, pos, n, tables in entries:
-            self.segments[key] = CachedSegment.from_tables(body[pos:pos + n], memoryview(tables))
+    def put_object(self, key, body, entries, at=0):
+        for pos, n, tables in entries:
+            self.segments[f"{key}#{pos}"] = CachedSegment.from_tables(body[pos - at:pos - at + n], memoryview(tables))
+
+    def drop(self, m):
+        self.segments.pop(m.ref, None)
 
     def drop_prefix(self, prefix):
         self.segments = {k: v for k, v in self.segments.items() if not k.startswith(prefix)}

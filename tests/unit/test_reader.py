@@ -34,16 +34,19 @@ class HeldStore:
 
 
 class NoCache:
-    def get(self, key: str) -> None:
+    def get(self, m: SegmentManifest) -> None:
         return None
 
-    def read(self, key: str, offset: int, max_bytes: int) -> None:
+    def read(self, m: SegmentManifest, offset: int, max_bytes: int) -> None:
         return None
 
-    def holds(self, key: str) -> bool:
+    def holds(self, m: SegmentManifest) -> bool:
         return False
 
-    def put(self, key: str, seg: object) -> None:
+    def put(self, m: SegmentManifest, seg: object) -> None:
+        pass
+
+    def drop(self, m: SegmentManifest) -> None:
         pass
 
     def drop_prefix(self, prefix: str) -> None:

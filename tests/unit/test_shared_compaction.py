@@ -99,7 +99,7 @@ def test_small_partitions_share_one_object_and_one_transaction_and_read_back():
             [m] = await n.meta.list_segments(TOPIC, lg.partition)
             assert m.key == shared_objects(n)[0] and m.pos >= 0 and (m.base, m.last) == (0, 1)
             # in the cache (all five with one put_object), as in the object
-            cached, stored = flusher.cache.get(m.ref), CachedSegment.from_object(await n.store.get(
+            cached, stored = flusher.cache.get(m), CachedSegment.from_object(await n.store.get(
                 m.key, m.pos, m.pos + m.size))
             assert bytes(cached.data) == bytes(stored.data)
             assert (list(cached.bases), list(cached.positions)) == (stored.bases, stored.positions)

@@ -11,6 +11,7 @@ import pytest
 from kafscale import _native
 from kafscale.broker import messages, shm
 from kafscale.broker.shm import CacheReader, SharedArea, SharedCache, ref_position
+from kafscale.metadata.store import SegmentManifest
 from kafscale.storage.cache import CachedSegment
 from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE
 
@@ -104,81 +105,98 @@ def segment(tag: int, n: int) -> CachedSegment:
     return CachedSegment(bytes([tag]) * n, [0], [0], body_end=n)
 
 
+def seg(key: str, pos: int = -1) -> SegmentManifest:
+    """The manifest of a segment object of its own (pos -1) or of the segment at pos in object `key`."""
+    return SegmentManifest(0, 0, 1, 0, 0, 0, key, 0, {}, pos)
+
+
 def test_cache_serves_until_overwritten_and_never_overwrites_a_pinned_segment():
     area = SharedArea(2, 64, 1000)
     cache = SharedCache(area)
     reader = CacheReader(area, 1)
-    cache.put("a", segment(1, 400))
-    cache.put("b", segment(2, 400))
-    ref_a = cache.refs["a"]
-    seg = reader.acquire(ref_a)  # pinned: as if being sent to a client
-    assert seg is not None and bytes(seg.data) == bytes([1]) * 400
-    cache.put("c", segment(3, 400))  # would wrap over "a": skipped while "a" is pinned
-    assert "c" not in cache.refs and cache.skipped_pinned == 1
-    assert bytes(seg.data) == bytes([1]) * 400
+    a, b, c = seg("a"), seg("b"), seg("c")
+    cache.put(a, segment(1, 400))
+    cache.put(b, segment(2, 400))
+    ref_a = cache.ref(a)
+    assert ref_a is not None
+    got = reader.acquire(ref_a)  # pinned: as if being sent to a client
+    assert got is not None and bytes(got.data) == bytes([1]) * 400
+    cache.put(c, segment(3, 400))  # would wrap over "a": skipped while "a" is pinned
+    assert not cache.holds(c) and cache.skipped_pinned == 1
+    assert bytes(got.data) == bytes([1]) * 400
     reader.release(ref_position(ref_a))
-    cache.put("c", segment(3, 400))
-    assert "c" in cache.refs and "a" not in cache.refs
+    cache.put(c, segment(3, 400))
+    assert cache.holds(c) and not cache.holds(a) and "a" not in cache.objects, "wholly overwritten: forgotten"
     assert reader.acquire(ref_a) is None  # overwritten: the worker reads S3 instead
-    got = cache.get("b")
+    got = cache.get(b)
     assert got is not None and bytes(got.data) == bytes([2]) * 400
+    cache.drop(b)
+    assert cache.get(b) is None
 
 
 def test_a_cached_segments_batches_are_its_bytes_between_header_and_footer_until_overwritten():
     cache = SharedCache(SharedArea(1, 64, 1000))
     data = bytes([7]) * HEADER_SIZE + bytes(range(100)) + bytes([9]) * FOOTER_SIZE
-    cache.put("a", CachedSegment(data, [0], [HEADER_SIZE]))
-    got, missing = cache.batches(["a", "b"])
+    a, b, c = seg("a"), seg("b"), seg("c")
+    cache.put(a, CachedSegment(data, [0], [HEADER_SIZE]))
+    got, missing = cache.batches([a, b])
     assert got is not None and bytes(got) == bytes(range(100)) and missing is None
-    cache.put("b", segment(2, 600))
-    cache.put("c", segment(3, 600))  # wraps over "a"
-    assert cache.batches(["a", "b"]) == [None, None] and cache.batches(["c"])[0] is not None
+    cache.put(b, segment(2, 600))
+    cache.put(c, segment(3, 600))  # wraps over "a"
+    assert cache.batches([a, b]) == [None, None] and cache.batches([c])[0] is not None
 
 
-def put_object(cache: SharedCache, *segments: tuple[str, int, int]) -> None:
-    """A node object of segments (key, tag, size), back to back, into the cache."""
+def put_object(cache: SharedCache, key: str, *segments: tuple[int, int]) -> list[SegmentManifest]:
+    """A node object `key` of segments (tag, size), back to back, into the cache: their manifests."""
     body, entries = bytearray(), []
-    for key, tag, n in segments:
-        entries.append((key, len(body), n, segment(tag, n).tables()))
+    for tag, n in segments:
+        entries.append((len(body), n, segment(tag, n).tables()))
         body += bytes([tag]) * n
-    cache.put_object(memoryview(body), entries)
+    cache.put_object(key, memoryview(body), entries)
+    return [seg(key, pos) for pos, _, _ in entries]
 
 
 def test_a_node_objects_slices_go_into_the_cache_back_to_back_or_not_at_all():
     area = SharedArea(1, 64, 1000)
     cache, reader = SharedCache(area), CacheReader(area, 0)
-    cache.put("a", segment(1, 300))
-    put_object(cache, ("b", 2, 200), ("empty", 0, 0), ("c", 3, 300))
-    assert [ref_position(cache.refs[k]) for k in ("a", "b", "c")] == [0, 300, 500] and "empty" not in cache.refs
-    for key, tag, n in (("b", 2, 200), ("c", 3, 300)):
-        got = cache.get(key)
+    a = seg("a")
+    cache.put(a, segment(1, 300))
+    b, c = put_object(cache, "n1", (2, 200), (3, 300))
+    assert [ref_position(cache.ref(m) or b"") for m in (a, b, c)] == [0, 300, 500]
+    assert cache.ref(seg("n1", 100)) is None and cache.ref(seg("n1", 600)) is None, "no segment starts there"
+    for m, tag, n in ((b, 2, 200), (c, 3, 300)):
+        got = cache.get(m)
         assert got is not None and bytes(got.data) == bytes([tag]) * n
-    ref_a = cache.refs["a"]
-    assert reader.acquire(ref_a) is not None  # pinned: as if being sent to a client
-    put_object(cache, ("d", 4, 100), ("e", 5, 200))  # the second would wrap over "a"
-    assert "d" not in cache.refs and "e" not in cache.refs and cache.skipped_pinned == 2, "all or none"
+    ref_a = cache.ref(a)
+    assert ref_a is not None and reader.acquire(ref_a) is not None  # pinned: as if being sent to a client
+    d, e = put_object(cache, "n2", (4, 100), (5, 200))  # the second would wrap over "a"
+    assert not cache.holds(d) and not cache.holds(e) and cache.skipped_pinned == 2, "all or none"
     reader.release(ref_position(ref_a))
-    put_object(cache, ("d", 4, 100), ("e", 5, 200))
-    assert [ref_position(cache.refs[k]) for k in ("d", "e")] == [1000, 1100] and "a" not in cache.refs
-    put_object(cache, ("d", 9, 100))  # a key again: its new place, and the last to be overwritten
-    assert list(cache.refs)[-2:] == ["e", "d"] and ref_position(cache.refs["d"]) == 1300
-    assert bytes(cache.get("d").data) == bytes([9]) * 100  # type: ignore[union-attr]
+    put_object(cache, "n2", (4, 100), (5, 200))
+    assert [ref_position(cache.ref(m) or b"") for m in (d, e)] == [1000, 1100] and not cache.holds(a)
+    assert cache.holds(b), "the rest of an object partly overwritten stays"
+    [d] = put_object(cache, "n2", (9, 100))  # a key again: its new place, and only its new entries
+    assert ref_position(cache.ref(d) or b"") == 1300 and not cache.holds(e)
+    assert bytes(cache.get(d).data) == bytes([9]) * 100  # type: ignore[union-attr]
     # more than the cache holds together: each that fits goes alone, the later ones over the earlier
-    put_object(cache, ("f", 6, 600), ("g", 7, 600), ("h", 8, 2000))
-    assert "h" not in cache.refs and "f" not in cache.refs
-    got = cache.get("g")
+    f, g, h = put_object(cache, "n3", (6, 600), (7, 600), (8, 2000))
+    assert not cache.holds(h) and not cache.holds(f)
+    got = cache.get(g)
     assert got is not None and bytes(got.data) == bytes([7]) * 600
+    cache.drop_prefix("n")
+    assert list(cache.objects) == []
 
 
-def test_a_cache_entry_is_no_object_of_the_cyclic_collector_and_keeps_every_batch():
-    """The log process keeps an entry per cached slice (2,000 new ones a
-    second at 100 partitions): each must cost its young collections nothing."""
+def test_a_cache_ref_is_no_object_of_the_cyclic_collector_and_keeps_every_batch():
+    """A worker is sent a ref of each slice it views at every node commit:
+    it must cost the young collections nothing."""
     area = SharedArea(1, 64, 4096)
     cache, reader = SharedCache(area), CacheReader(area, 0)
-    cache.put("x", segment(1, 100))
-    cache.put("y", CachedSegment(bytes(range(200)), [7, 9, 12], [0, 60, 130], body_end=200))
-    ref = cache.refs["y"]
-    assert not gc.is_tracked(ref)
+    cache.put(seg("x"), segment(1, 100))
+    y = seg("y")
+    cache.put(y, CachedSegment(bytes(range(200)), [7, 9, 12], [0, 60, 130], body_end=200))
+    ref = cache.ref(y)
+    assert ref is not None and not gc.is_tracked(ref)
     assert ref_position(ref) == 100
     got = reader.acquire(ref)
     assert got is not None and bytes(got.data) == bytes(range(200))
@@ -189,7 +207,8 @@ def test_a_cache_entry_is_no_object_of_the_cyclic_collector_and_keeps_every_batc
 def test_a_read_of_a_cached_segment_slices_it_as_the_segment_itself_does():
     """SharedCache.read and CacheReader.read (_native.cached_slice, from the
     ref alone) give what slice_from of the cached segment gives, for any
-    offset and size; the reader's read pins the segment as acquire does."""
+    offset and size; the reader's read pins the segment as acquire does.
+    Some segments lie in objects of several (at random places in them)."""
     rnd = random.Random(5)
     area = SharedArea(1, 64, 1 << 13)  # the first segments are overwritten by the last
     cache, reader = SharedCache(area), CacheReader(area, 0)
@@ -199,26 +218,37 @@ def test_a_read_of_a_cached_segment_slices_it_as_the_segment_itself_does():
         positions = [HEADER_SIZE + sum(sizes[:i]) for i in range(count)]
         bases = sorted(rnd.sample(range(1000), count))
         data = bytes(rnd.randrange(256) for _ in range(HEADER_SIZE + sum(sizes) + FOOTER_SIZE))
-        key = f"s{round_}"
-        cache.put(key, CachedSegment(data, bases, positions))
+        one = CachedSegment(data, bases, positions)
+        if rnd.random() < 0.5:
+            m = seg(f"s{round_}")
+            cache.put(m, one)
+        else:  # between two others in a node object
+            before, after = rnd.randint(1, 50), rnd.randint(1, 50)
+            m = seg(f"s{round_}", before)
+            cache.put_object(m.key, memoryview(bytes(before) + data + bytes(after)),
+                             [(0, before, segment(0, before).tables()), (before, len(data), one.tables()),
+                              (before + len(data), after, segment(0, after).tables())])
         if round_ == 0:
-            first = cache.refs[key]
-        whole = cache.get(key)
-        assert whole is not None
+            first, first_ref = m, cache.ref(m)
+        whole = cache.get(m)
+        assert whole is not None and bytes(whole.data) == data
         for _ in range(40):
             offset, max_bytes = rnd.randint(-5, 1005), rnd.choice([0, 1, rnd.randint(1, 400), 1 << 20])
             chunk, to_end = whole.slice_from(offset, max_bytes)
             expected = (bytes(chunk), to_end)
-            got = cache.read(key, offset, max_bytes)
+            got = cache.read(m, offset, max_bytes)
             assert got is not None and (bytes(got[0]), got[1]) == expected, (bases, positions, offset, max_bytes)
-            pinned = reader.read(cache.refs[key], offset, max_bytes)
+            ref = cache.ref(m)
+            assert ref is not None
+            pinned = reader.read(ref, offset, max_bytes)
             assert pinned is not None and (bytes(pinned[0]), pinned[1]) == expected
-            reader.release(ref_position(cache.refs[key]))
-    assert cache.read("missing", 0, 100) is None
+            reader.release(ref_position(ref))
+    assert cache.read(seg("missing"), 0, 100) is None
     with pytest.raises(ValueError):
         _native.cached_slice(cache.data, cache.size, bytes(20), 0, 100)
-    assert "s0" not in cache.refs and cache.read("s0", 0, 100) is None
-    assert reader.read(first, 0, 100) is None and reader.misses == 1, "overwritten: not pinned, not read"
+    assert not cache.holds(first) and cache.read(first, 0, 100) is None
+    assert first_ref is not None and reader.read(first_ref, 0, 100) is None and reader.misses == 1, (
+        "overwritten: not pinned, not read")
 
 
 def test_the_cache_says_how_long_it_keeps_a_segment_at_the_rate_it_is_written(monkeypatch):
@@ -227,20 +257,20 @@ def test_the_cache_says_how_long_it_keeps_a_segment_at_the_rate_it_is_written(mo
     cache = SharedCache(SharedArea(1, 64, 1000))
     assert cache.keeps_s() == math.inf, "nothing written: nothing is overwritten"
     for i in range(6):  # 100 bytes a second
-        cache.put(f"s{i}", segment(i, 100))
+        cache.put(seg(f"s{i}"), segment(i, 100))
         now[0] += 1
     now[0] -= 1
     assert cache.keeps_s() == pytest.approx(cache.size / 100)
     now[0] += 10  # nothing more written: what is cached stays longer
     assert cache.keeps_s() == pytest.approx(cache.size / (500 / 15))
     for i in range(12):  # 200 bytes a second: the rate of the last RATE_WINDOW_S counts, not the slower one before
-        cache.put(f"t{i}", segment(i, 200))
+        cache.put(seg(f"t{i}"), segment(i, 200))
         now[0] += 1
     now[0] -= 1
     assert cache.keeps_s() == pytest.approx(cache.size / 200)
     now[0] += 5  # quiet, then 500 bytes a second: the last second's rate counts, not the window's slower one
     for i in range(3):
-        cache.put(f"u{i}", segment(i, 500))
+        cache.put(seg(f"u{i}"), segment(i, 500))
         now[0] += 1
     now[0] -= 1
     assert cache.keeps_s() == pytest.approx(cache.size / 500)
