@@ -179,3 +179,29 @@ def test_partition_changes_1000_slices(benchmark, fields):
     assert [c[5] if fields else values(c.manifest) for c in send()] == [values(m) for m in manifests]
     benchmark(send)
     benchmark.extra_info["us/slice"] = round(benchmark.stats.stats.mean * 1e3, 2)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["assemble_cached", "batches_then_build_segment_baseline"])
+def test_compaction_of_200_cached_slices(benchmark, fused):
+    """A compaction's build of one partition's 200 slices (a 1 KiB record
+    each), each in another of 200 node objects of 1,000 slices in the shared
+    cache (1,000 partitions): straight out of the ring in one call, against
+    a view of each slice's batches (SharedCache.batches) given to
+    build_segment, as before session 97."""
+    from kafscale.broker.shm import SharedArea, SharedCache
+    from kafscale.storage.segment import build_segment
+
+    cache = SharedCache(SharedArea(1, 64, 256 * MIB))
+    one = build_segment([(_native.build_batch([(1_700_000_000_000, None, b"x" * 1024, [])]), 0)], 0)
+    n = len(one.data)
+    body = memoryview(bytes(one.data) * 1000)
+    taken = []
+    for o in range(200):
+        key = f"ns/wal/1-0123456789ab/{o:020d}.kfn"
+        cache.put_object(key, body, [(p * n, n, one.tables) for p in range(1000)])
+        taken.append(SegmentManifest(o, o, 1, n, 0, 0, key, 0, {}, 500 * n))
+    if fused:
+        benchmark(cache.build, taken, 0)
+    else:
+        benchmark(lambda: build_segment(list(zip(cache.batches(taken), [m.base for m in taken], strict=True)), 0))
+    benchmark.extra_info["us/slice"] = round(benchmark.stats.stats.mean * 1e6 / len(taken), 2)

@@ -763,16 +763,21 @@ cdef Py_ssize_t _place_batches(uint8_t *d, Py_ssize_t pos, object payload, int64
     are C arrays, not lists of Python ints (assemble_node of 1,000 slices
     1,565 -> 1,533 us, session 94)."""
     cdef Py_buffer view
-    cdef uint8_t *b
-    cdef Py_ssize_t n, at = 0, size
-    cdef int64_t ts
     PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
     try:
-        n = view.len
-        if n:
-            memcpy(d + pos, view.buf, n)
+        return _place_bytes(d, pos, <const uint8_t *>view.buf, view.len, base, origin, st, tab)
     finally:
         PyBuffer_Release(&view)
+
+
+cdef Py_ssize_t _place_bytes(uint8_t *d, Py_ssize_t pos, const uint8_t *src, Py_ssize_t n, int64_t base,
+                             Py_ssize_t origin, _SegStats *st, _Tab *tab) except -1:
+    """_place_batches of the n bytes at src."""
+    cdef uint8_t *b
+    cdef Py_ssize_t at = 0, size
+    cdef int64_t ts
+    if n:
+        memcpy(d + pos, src, n)
     while at < n:
         size = batch_size(d + pos, at, n)
         b = d + pos + at
@@ -828,34 +833,80 @@ def assemble_segment(list parts, int64_t created_ms, Py_ssize_t index_interval):
     ints for the tables, packed again for the cache by each compaction,
     had 4% of the compaction's samples at 1,000 partitions (bench/README.md,
     session 95)."""
-    cdef Py_ssize_t total = 0, pos = KFS_HEADER, last_indexed = -index_interval, i
+    cdef Py_ssize_t total = 0, pos = KFS_HEADER
     cdef _SegStats st
     cdef _Tab tab = _Tab(NULL, NULL, 0, 0)
-    cdef uint8_t *d
-    cdef uint8_t entry[12]
     _start_stats(&st)
     for payload, base_obj in parts:
         total += len(payload)
     data = _unfilled(KFS_HEADER + total + KFS_FOOTER)
-    d = <uint8_t *>PyByteArray_AS_STRING(data)
-    entries = bytearray()
     try:
         for payload, base_obj in parts:
-            pos = _place_batches(d, pos, payload, base_obj, 0, &st, &tab)
-        for i in range(tab.n):
-            if tab.positions[i] - last_indexed >= index_interval:
-                wr_i64(entry, tab.bases[i])
-                wr_i32(entry + 8, <int32_t>tab.positions[i])
-                entries += entry[:12]
-                last_indexed = tab.positions[i]
-        if tab.n:
-            with nogil:
-                _seal_segment(d, pos, &st, tab.bases[0], created_ms)
-        else:
-            memset(d, 0, PyByteArray_GET_SIZE(data))
-        return data, tab.n, _tables(&tab), bytes(entries), st.count, st.min_ts, st.max_ts, st.last_offset
+            pos = _place_batches(<uint8_t *>PyByteArray_AS_STRING(data), pos, payload, base_obj, 0, &st, &tab)
+        return _sealed(data, pos, &st, &tab, created_ms, index_interval)
     finally:
         _tab_free(&tab)
+
+
+def assemble_cached(dict objects, list manifests, int64_t floor, ring, Py_ssize_t size, int64_t created_ms,
+                    Py_ssize_t index_interval):
+    """assemble_segment of the batches of the segments these manifests name
+    in a shared cache (cached_batches' arguments), each from its manifest's
+    base offset on, copied straight out of the ring; None if one of them is
+    not cached (or was overwritten). A compaction's slices went through a
+    memoryview each (0.5 us to make) and a list of pairs first
+    (bench/README.md, session 97)."""
+    cdef Py_ssize_t n = len(manifests), i, total = 0, pos = KFS_HEADER, got
+    cdef int64_t *at = <int64_t *>malloc(sizeof(int64_t) * 2 * n + 1)
+    cdef _SegStats st
+    cdef _Tab tab = _Tab(NULL, NULL, 0, 0)
+    cdef Py_buffer view
+    cdef const uint8_t *r
+    if at == NULL:
+        raise MemoryError()
+    _start_stats(&st)
+    try:
+        for i in range(n):
+            if _cache_entry(objects, manifests[i], floor, &at[2 * i], &got) < 0:
+                return None
+            if got < KFS_HEADER + KFS_FOOTER:
+                raise ValueError(f"a cached segment of {got} bytes")
+            at[2 * i + 1] = got - KFS_HEADER - KFS_FOOTER
+            total += at[2 * i + 1]
+        data = _unfilled(KFS_HEADER + total + KFS_FOOTER)
+        PyObject_GetBuffer(ring, &view, PyBUF_SIMPLE)
+        try:
+            r = <const uint8_t *>view.buf
+            for i in range(n):
+                pos = _place_bytes(<uint8_t *>PyByteArray_AS_STRING(data), pos, r + at[2 * i] % size + KFS_HEADER,
+                                   at[2 * i + 1], manifests[i].base, 0, &st, &tab)
+        finally:
+            PyBuffer_Release(&view)
+        return _sealed(data, pos, &st, &tab, created_ms, index_interval)
+    finally:
+        free(at)
+        _tab_free(&tab)
+
+
+cdef tuple _sealed(bytearray data, Py_ssize_t end, _SegStats *st, _Tab *tab, int64_t created_ms,
+                   Py_ssize_t index_interval):
+    """assemble_segment's result, once the batches are placed in data (up to end)."""
+    cdef Py_ssize_t i, last_indexed = -index_interval
+    cdef uint8_t *d = <uint8_t *>PyByteArray_AS_STRING(data)
+    cdef uint8_t entry[12]
+    entries = bytearray()
+    for i in range(tab.n):
+        if tab.positions[i] - last_indexed >= index_interval:
+            wr_i64(entry, tab.bases[i])
+            wr_i32(entry + 8, <int32_t>tab.positions[i])
+            entries += entry[:12]
+            last_indexed = tab.positions[i]
+    if tab.n:
+        with nogil:
+            _seal_segment(d, end, st, tab.bases[0], created_ms)
+    else:
+        memset(d, 0, PyByteArray_GET_SIZE(data))
+    return data, tab.n, _tables(tab), bytes(entries), st.count, st.min_ts, st.max_ts, st.last_offset
 
 
 cdef bytearray _unfilled(Py_ssize_t n):

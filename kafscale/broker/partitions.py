@@ -44,7 +44,7 @@ from kafscale.security.acl import Operation, ResourceType
 from kafscale.storage.objectstore import ObjectStore
 from kafscale.storage.partition import LogError, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import ReadBudget, SegmentSource
-from kafscale.storage.segment import topic_marker_key
+from kafscale.storage.segment import BuiltSegment, topic_marker_key
 from kafscale.storage.shared import SHARED_OBJECT_BYTES, SHARED_SEGMENT_BYTES, compact_shared
 from kafscale.storage.wal import Collector, NodeFlusher, Turns, WalIndex, in_turns, layout_order, retry, topic_marker
 
@@ -172,6 +172,12 @@ class RecentCache(SegmentSource, Protocol):
     def batches(self, manifests: Iterable[SegmentManifest]) -> list[memoryview | None]:
         """Each cached segment's batches (header and footer left out), for
         compaction to copy before its next await (None: not cached)."""
+        ...
+
+    def build(self, manifests: list[SegmentManifest], created_ms: int) -> BuiltSegment | None:
+        """The segment of the batches of these cached segments, each from its
+        manifest's base offset on (build_segment); None if one of them is
+        not cached."""
         ...
 
     def put_object(self, key: str, body: memoryview, entries: list[tuple[int, int, bytes]], at: int = 0) -> None:

@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from kafscale import _native
 from kafscale.metadata.store import SegmentManifest
 from kafscale.storage.cache import CachedSegment
+from kafscale.storage.segment import DEFAULT_INDEX_INTERVAL, BuiltSegment, built_segment
 
 NONE = 2**64 - 1
 _RING_HEADER = 64  # head u64 at 0 (worker), tail u64 at 8 (log process)
@@ -251,6 +252,14 @@ class SharedCache:
         records/s over 100 partitions; a lookup each through ref() took 0.91
         µs a slice, one call for them all 0.46 (bench/README.md, session 80)."""
         return _native.cached_batches(self.objects, manifests, self._oldest_valid(), self.data, self.size)
+
+    def build(self, manifests: list[SegmentManifest], created_ms: int) -> BuiltSegment | None:
+        """The segment of the batches of these cached segments (each from its
+        manifest's base offset on), copied straight out of the ring; None if
+        one of them is not cached."""
+        assembled = _native.assemble_cached(self.objects, manifests, self._oldest_valid(), self.data, self.size,
+                                            created_ms, DEFAULT_INDEX_INTERVAL)
+        return None if assembled is None else built_segment(assembled)
 
     def drop(self, m: SegmentManifest) -> None:
         """Forget m's segment (its manifest is gone: nobody asks for it again).

@@ -448,6 +448,10 @@ class PartitionLog(LogReader):
         if not slices or self.closed:
             return None
         taken = merged + slices
+        now = int(time.time() * 1000)
+        built = self.cache.build(taken, now)
+        if built is not None:  # all cached: the usual
+            return merged, slices, built
         parts: list[tuple[memoryview | bytes | None, int]] = list(zip(self.cache.batches(taken),
                                                                    [m.base for m in taken], strict=True))
         missed = [i for i, (batches, _) in enumerate(parts) if batches is None]
@@ -464,7 +468,7 @@ class PartitionLog(LogReader):
                     parts[i] = (bytes(seg.batches()), taken[i].base)
 
             await asyncio.gather(*(read(i) for i in missed))
-        return merged, slices, build_segment(parts, int(time.time() * 1000))
+        return merged, slices, build_segment(parts, now)
 
     @staticmethod
     def compacted_manifest(built: Compaction, key: str, pos: int = -1) -> SegmentManifest:

@@ -18,7 +18,7 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kafscale import _native
 
@@ -119,8 +119,12 @@ def build_segment(batches: Sequence[tuple[memoryview | bytes, int]], created_ms:
 
     Batches are copied once into the object buffer and their base offsets
     patched in place (the batch CRC does not cover it), in native code."""
-    (data, n, tables, entries, count, min_ts, max_ts,
-     last_offset) = _native.assemble_segment(list(batches), created_ms, index_interval)
+    return built_segment(_native.assemble_segment(list(batches), created_ms, index_interval), index_interval)
+
+
+def built_segment(assembled: tuple[Any, ...], index_interval: int = DEFAULT_INDEX_INTERVAL) -> BuiltSegment:
+    """The segment _native.assemble_segment (or assemble_cached) made."""
+    data, n, tables, entries, count, min_ts, max_ts, last_offset = assembled
     if not n:
         raise SegmentFormatError("a segment needs at least one batch")
     index = INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, len(entries) // INDEX_ENTRY.size, index_interval) + entries

@@ -28,7 +28,7 @@ from kafscale.storage.cache import CachedSegment
 from kafscale.storage.memory import MemoryObjectStore
 from kafscale.storage.partition import SWEEP_GATHER_S, OrphanSweeper, PartitionLog
 from kafscale.storage.reader import LogError, ReadBudget
-from kafscale.storage.segment import index_key, segment_key
+from kafscale.storage.segment import build_segment, index_key, segment_key
 
 TOPIC = "orders"
 
@@ -53,6 +53,12 @@ class DictCache:
 
     def batches(self, manifests):
         return [None if (seg := self.segments.get(m.ref)) is None else seg.batches() for m in manifests]
+
+    def build(self, manifests, created_ms):
+        cached = [self.segments.get(m.ref) for m in manifests]
+        if any(seg is None for seg in cached):
+            return None
+        return build_segment([(seg.batches(), m.base) for seg, m in zip(cached, manifests, strict=True)], created_ms)
 
     def put(self, m, seg):
         self.segments[m.ref] = seg

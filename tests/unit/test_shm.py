@@ -13,7 +13,7 @@ from kafscale.broker import messages, shm
 from kafscale.broker.shm import CacheReader, SharedArea, SharedCache, ref_position
 from kafscale.metadata.store import SegmentManifest
 from kafscale.storage.cache import CachedSegment
-from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE
+from kafscale.storage.segment import FOOTER_SIZE, HEADER_SIZE, build_segment
 
 
 def test_ring_never_overwrites_live_payloads_and_empty_ring_takes_anything():
@@ -249,6 +249,34 @@ def test_a_read_of_a_cached_segment_slices_it_as_the_segment_itself_does():
     assert not cache.holds(first) and cache.read(first, 0, 100) is None
     assert first_ref is not None and reader.read(first_ref, 0, 100) is None and reader.misses == 1, (
         "overwritten: not pinned, not read")
+
+
+def test_a_segment_built_from_cached_slices_is_the_one_build_segment_makes_of_their_batches():
+    """SharedCache.build (_native.assemble_cached, what a compaction does
+    when all it takes is cached) copies the slices' batches straight out of
+    the ring: the same segment as build_segment of the same batches at the
+    same base offsets; None once one of them is not cached."""
+    cache = SharedCache(SharedArea(1, 64, 1 << 16))
+    parts, manifests, base = [], [], 0
+    for i in range(3):  # three node objects, each holding one slice of ours among others
+        batches = [_native.build_batch([(1000 + i, None, b"v%d-%d" % (i, j), [])] * (j + 1)) for j in range(i + 1)]
+        ours = build_segment([(b, 0) for b in batches], 5)  # its base offsets as a slice's (patched again below)
+        other = build_segment([(_native.build_batch([(7, None, b"other", [])]), 0)], 5)
+        body = bytes(other.data) + bytes(ours.data)
+        cache.put_object(f"n{i}", memoryview(body), [(0, len(other.data), other.tables),
+                                                     (len(other.data), len(ours.data), ours.tables)])
+        manifests.append(SegmentManifest(base, base + ours.count - 1, ours.count, len(ours.data), 0, 0, f"n{i}", 0,
+                                         {}, len(other.data)))
+        parts.append((b"".join(batches), base))
+        base += ours.count
+    built, expected = cache.build(manifests, 1234), build_segment(parts, 1234)
+    assert built is not None
+    assert (bytes(built.data), built.index, built.tables) == (bytes(expected.data), expected.index, expected.tables)
+    assert (built.base_offset, built.last_offset, built.count) == (0, 9, 10) == (
+        expected.base_offset, expected.last_offset, expected.count)
+    assert cache.build([manifests[0], seg("n9", 0)], 1234) is None
+    del cache.objects["n1"]
+    assert cache.build(manifests, 1234) is None
 
 
 def test_the_cache_says_how_long_it_keeps_a_segment_at_the_rate_it_is_written(monkeypatch):
