@@ -862,12 +862,13 @@ def assemble_cached(dict objects, list manifests, int64_t floor, ring, Py_ssize_
     cdef _Tab tab = _Tab(NULL, NULL, 0, 0)
     cdef Py_buffer view
     cdef const uint8_t *r
+    cdef PyObject *placed
     if at == NULL:
         raise MemoryError()
     _start_stats(&st)
     try:
         for i in range(n):
-            if _cache_entry(objects, manifests[i], floor, &at[2 * i], &got) < 0:
+            if _cache_entry(objects, manifests[i], floor, &at[2 * i], &got, &placed) < 0:
                 return None
             if got < KFS_HEADER + KFS_FOOTER:
                 raise ValueError(f"a cached segment of {got} bytes")
@@ -1230,24 +1231,35 @@ def pack_entries(list entries):
     return packed
 
 
-cdef Py_ssize_t _cache_entry(dict objects, object m, int64_t floor, int64_t *at, Py_ssize_t *size) except -2:
+cdef Py_ssize_t _cache_entry(dict objects, object m, int64_t floor, int64_t *at, Py_ssize_t *size,
+                             PyObject **placed) except -2:
     """The index in its object's entries of the segment manifest m names in
     a shared cache's objects (shm.SharedCache: object key -> (shift, entries,
-    pack_entries(entries))), its absolute position in the ring in `at` and
-    its size in `size`; -1 if it is not there, or was overwritten (at a
-    position below floor). The positions are searched where they would be
-    if the entries were of one size (a node object's slices mostly are),
-    then by halves."""
-    cdef PyObject *found = PyDict_GetItemWithError(objects, m.key)
+    pack_entries(entries))), its absolute position in the ring in `at`, its
+    size in `size` and its object's place (borrowed) in `placed`; -1 if it is
+    not there, or was overwritten (at a position below floor). A segment of
+    a larger object put alone (read back from S3) is under its ref
+    (SharedCache.put)."""
+    cdef Py_ssize_t pos = m.pos
+    if pos < 0:  # a segment object of its own: it starts at the object's byte 0
+        return _object_entry(objects, m.key, 0, floor, at, size, placed)
+    cdef Py_ssize_t i = _object_entry(objects, m.key, pos, floor, at, size, placed)
+    return i if i >= 0 else _object_entry(objects, m.ref, pos, floor, at, size, placed)
+
+
+cdef Py_ssize_t _object_entry(dict objects, object key, int64_t pos, int64_t floor, int64_t *at,
+                              Py_ssize_t *size, PyObject **placed) except -2:
+    """_cache_entry of the segment at pos in object `key`. The positions are
+    searched where they would be if the entries were of one size (a node
+    object's slices mostly are), then by halves."""
+    cdef PyObject *found = PyDict_GetItemWithError(objects, key)
     if found == NULL:
         return -1
-    cdef tuple placed = <tuple?>(<object>found)
-    cdef bytes packed = <bytes?>placed[2]
+    cdef tuple place = <tuple?>(<object>found)
+    cdef bytes packed = <bytes?>place[2]
     cdef const int64_t *v = <const int64_t *><const char *>packed
     cdef Py_ssize_t n = len(packed) // 16, lo = 0, hi = n, mid
-    cdef int64_t pos = m.pos, first, last
-    if pos < 0:  # a segment object of its own: it starts at the object's byte 0
-        pos = 0
+    cdef int64_t first, last
     if n == 0:
         return -1
     first, last = v[0], v[2 * (n - 1)]
@@ -1265,8 +1277,9 @@ cdef Py_ssize_t _cache_entry(dict objects, object m, int64_t floor, int64_t *at,
             hi = mid
     if lo == n or v[2 * lo] != pos:
         return -1
-    at[0] = <int64_t>placed[0] + pos
+    at[0] = <int64_t>place[0] + pos
     size[0] = v[2 * lo + 1]
+    placed[0] = found
     return -1 if at[0] < floor else lo
 
 
@@ -1279,11 +1292,12 @@ def cache_ref(dict objects, m, int64_t floor):
     its making and a dict entry each (bench/README.md, session 97)."""
     cdef int64_t head[2]
     cdef Py_ssize_t size
-    cdef Py_ssize_t i = _cache_entry(objects, m, floor, &head[0], &size)
+    cdef PyObject *placed
+    cdef Py_ssize_t i = _cache_entry(objects, m, floor, &head[0], &size, &placed)
     if i < 0:
         return None
     head[1] = size
-    cdef bytes tables = <bytes?>(<tuple?>(<list?>(<tuple>objects[m.key])[1])[i])[2]
+    cdef bytes tables = <bytes?>(<tuple?>(<list?>(<tuple>placed)[1])[i])[2]
     cdef Py_ssize_t n = len(tables)
     cdef bytes ref = PyBytes_FromStringAndSize(NULL, 16 + n)  # new, so written in place
     memcpy(<char *>ref, head, 16)
@@ -1295,7 +1309,8 @@ def cache_holds(dict objects, m, int64_t floor):
     """Whether cache_ref would find m's segment (without making its ref)."""
     cdef int64_t at
     cdef Py_ssize_t size
-    return _cache_entry(objects, m, floor, &at, &size) >= 0
+    cdef PyObject *placed
+    return _cache_entry(objects, m, floor, &at, &size, &placed) >= 0
 
 
 def cached_batches(dict objects, manifests, int64_t floor, data, Py_ssize_t size):
@@ -1307,8 +1322,9 @@ def cached_batches(dict objects, manifests, int64_t floor, data, Py_ssize_t size
     cdef list found = []
     cdef int64_t at
     cdef Py_ssize_t off, n
+    cdef PyObject *placed
     for m in manifests:
-        if _cache_entry(objects, m, floor, &at, &n) < 0:
+        if _cache_entry(objects, m, floor, &at, &n, &placed) < 0:
             found.append(None)
             continue
         off = at % size

@@ -163,7 +163,11 @@ class SharedCache:
         return any(_native.atomic_load(self.header, 64 + 8 * s) < floor for s in range(self.slots))
 
     def put(self, m: SegmentManifest, seg: CachedSegment) -> None:
-        self.put_object(m.key, memoryview(seg.data), [(m.start, len(seg.data), seg.tables())], m.start)
+        """Put one segment (read back from S3, or just built): a segment of a
+        larger object (a node object's slice, a shared object's segment) goes
+        under its ref, so that its object's other entries stay."""
+        self.put_object(m.key if m.pos < 0 else m.ref, memoryview(seg.data), [(m.start, len(seg.data), seg.tables())],
+                        m.start)
 
     def put_object(self, key: str, body: memoryview, entries: list[Entry], at: int = 0) -> None:
         """Write segments of object `key` that lie back to back in body
@@ -176,7 +180,7 @@ class SharedCache:
         space they need holds a segment a worker has pinned, none is written
         (compaction then reads them from S3). The object's entries replace
         any it had before."""
-        entries = [e for e in entries if e[1]] if not all(e[1] for e in entries) else entries
+        entries = [e for e in entries if e[1]]
         if not entries:
             return
         lo, hi = entries[0][0], entries[-1][0] + entries[-1][1]
@@ -262,11 +266,10 @@ class SharedCache:
         return None if assembled is None else built_segment(assembled)
 
     def drop(self, m: SegmentManifest) -> None:
-        """Forget m's segment (its manifest is gone: nobody asks for it again).
-        Only a segment object of its own goes: a slice's bytes stay until
-        its object is overwritten."""
-        if m.pos < 0:
-            self.objects.pop(m.key, None)
+        """Forget m's segment (its manifest is gone: nobody asks for it again):
+        one of its own or put alone (put); a segment among others stays
+        until its object is overwritten."""
+        self.objects.pop(m.key if m.pos < 0 else m.ref, None)
 
     def drop_prefix(self, prefix: str) -> None:
         """Forget the objects whose keys start with prefix (a deleted topic's

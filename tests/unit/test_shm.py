@@ -178,6 +178,11 @@ def test_a_node_objects_slices_go_into_the_cache_back_to_back_or_not_at_all():
     [d] = put_object(cache, "n2", (9, 100))  # a key again: its new place, and only its new entries
     assert ref_position(cache.ref(d) or b"") == 1300 and not cache.holds(e)
     assert bytes(cache.get(d).data) == bytes([9]) * 100  # type: ignore[union-attr]
+    # one slice put again alone (read back from S3): under its ref, the others of its object stay
+    cache.put(e, segment(10, 200))
+    assert bytes(cache.get(e).data) == bytes([10]) * 200 and cache.holds(d)  # type: ignore[union-attr]
+    cache.drop(e)
+    assert not cache.holds(e) and cache.holds(d)
     # more than the cache holds together: each that fits goes alone, the later ones over the earlier
     f, g, h = put_object(cache, "n3", (6, 600), (7, 600), (8, 2000))
     assert not cache.holds(h) and not cache.holds(f)
