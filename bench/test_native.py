@@ -198,7 +198,7 @@ def test_compaction_of_200_cached_slices(benchmark, fused):
     taken = []
     for o in range(200):
         key = f"ns/wal/1-0123456789ab/{o:020d}.kfn"
-        cache.put_object(key, body, [(p * n, n, one.tables) for p in range(1000)])
+        cache.put_object(key, body, _native.pack_entries([(p * n, n, one.tables) for p in range(1000)]))
         taken.append(SegmentManifest(o, o, 1, n, 0, 0, key, 0, {}, 500 * n))
     if fused:
         benchmark(cache.build, taken, 0)

@@ -1111,8 +1111,9 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
     manifest being manifest(base, last, count, size, min_ts, max_ts, key,
     created_ms, producers, pos, ref) (SegmentManifest, given its ref "key#pos";
     tests/unit/test_segment.py checks it is the ref SegmentManifest makes);
-    its cache entry (shm.Entry: its position, size, and its cache tables:
-    _tables, positions from the slice's start) in the entries; its
+    its cache entry (its position, size, and its cache tables: _tables,
+    positions from the slice's start) in the entries (shm.Entries, as
+    pack_entries makes them); its
     directory row (directory_rows, its topic placed in `places`) in the
     rows, and its topic's place, partition, base and last offset as
     native-endian 8-byte integers in the summary (wal.summary's rows: the
@@ -1133,7 +1134,10 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
             total += len(p.payload)
     data = _unfilled(total)
     d = <uint8_t *>PyByteArray_AS_STRING(data)
-    slices, entries, rows = [], [], bytearray(200 * len(taken))
+    slices, rows = [], bytearray(200 * len(taken))
+    cdef bytes packed = PyBytes_FromStringAndSize(NULL, 32 * len(taken))  # new, so written in place
+    cdef int64_t *quads = <int64_t *><char *>packed
+    tables = bytearray()
     summary = PyBytes_FromStringAndSize(NULL, 32 * len(taken))  # new, so written in place
     summed = <int64_t *><char *>summary
     try:
@@ -1157,7 +1161,10 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
             ref = f"{key}#{start}"
             slices.append(piece(lg, manifest(tab.bases[0], st.last_offset, st.count, pos - start, st.min_ts,
                                              st.max_ts, key, created_ms, producers, start, ref), items))
-            entries.append((start, pos - start, _tables(&tab)))
+            quads[4 * len(slices) - 4], quads[4 * len(slices) - 3] = start, pos - start
+            quads[4 * len(slices) - 2] = len(tables)
+            tables += _tables(&tab)
+            quads[4 * len(slices) - 1] = len(tables)
             vals[0], vals[1], vals[2], vals[3] = _place(places, lg.topic), lg.partition, tab.bases[0], st.last_offset
             memcpy(summed + 4 * len(slices) - 4, vals, 32)
             vals[4], vals[5], vals[6], vals[7], vals[8] = st.count, start, pos - start, st.min_ts, st.max_ts
@@ -1165,7 +1172,7 @@ def assemble_node(list taken, int64_t created_ms, str key, dict places, manifest
     finally:
         _tab_free(&tab)
     PyByteArray_Resize(rows, used)
-    return data, slices, entries, rows, summary
+    return data, slices, (packed, bytes(tables)), rows, summary
 
 
 cdef inline int64_t _ref_i64(const char *r, Py_ssize_t i) noexcept nogil:
@@ -1216,26 +1223,33 @@ def cached_slice(data, Py_ssize_t size, bytes ref, int64_t offset, Py_ssize_t ma
 
 
 def pack_entries(list entries):
-    """The positions and sizes of a cache object's entries (shm.Entry), as
-    native-endian 8-byte integers in pairs, for _cache_entry to search: a
-    binary search over the entries themselves (tuples of Python ints) took
-    about thirty cache misses a lookup in a cache of 800 node objects of
-    1,000 slices each (2.4 us a slice; bench/README.md, session 97)."""
-    cdef Py_ssize_t i, n = len(entries)
-    cdef bytes packed = PyBytes_FromStringAndSize(NULL, 16 * n)  # new, so written in place
+    """A cache object's entries (shm.Entries) of (position, size, tables)
+    triples: (position, size, where its tables start and end in the second)
+    of each as native-endian 8-byte integers, and their tables back to back;
+    triples of size 0 left out. Kept as these two bytes objects, an object's
+    entries are no objects of Python's cyclic collector: a tuple a slice
+    (about 450,000 in the cache at 20,000 records/s over 1,000 partitions)
+    each went through a young collection (bench/README.md, session 97), and
+    a binary search over tuples of Python ints took about thirty cache misses
+    a lookup (2.4 us)."""
+    cdef list kept = [e for e in entries if (<tuple?>e)[1]]
+    cdef Py_ssize_t i, n = len(kept), at = 0
+    cdef bytes packed = PyBytes_FromStringAndSize(NULL, 32 * n)  # new, so written in place
     cdef int64_t *v = <int64_t *><char *>packed
     cdef tuple entry
     for i in range(n):
-        entry = <tuple?>entries[i]
-        v[2 * i], v[2 * i + 1] = entry[0], entry[1]
-    return packed
+        entry = <tuple>kept[i]
+        v[4 * i], v[4 * i + 1], v[4 * i + 2] = entry[0], entry[1], at
+        at += len(<bytes?>entry[2])
+        v[4 * i + 3] = at
+    return packed, b"".join([(<tuple>e)[2] for e in kept])
 
 
 cdef Py_ssize_t _cache_entry(dict objects, object m, int64_t floor, int64_t *at, Py_ssize_t *size,
                              PyObject **placed) except -2:
     """The index in its object's entries of the segment manifest m names in
-    a shared cache's objects (shm.SharedCache: object key -> (shift, entries,
-    pack_entries(entries))), its absolute position in the ring in `at`, its
+    a shared cache's objects (shm.SharedCache: object key -> (shift, packed
+    entries, tables): shm.Placed), its absolute position in the ring in `at`, its
     size in `size` and its object's place (borrowed) in `placed`; -1 if it is
     not there, or was overwritten (at a position below floor). A segment of
     a larger object put alone (read back from S3) is under its ref
@@ -1256,29 +1270,29 @@ cdef Py_ssize_t _object_entry(dict objects, object key, int64_t pos, int64_t flo
     if found == NULL:
         return -1
     cdef tuple place = <tuple?>(<object>found)
-    cdef bytes packed = <bytes?>place[2]
+    cdef bytes packed = <bytes?>place[1]
     cdef const int64_t *v = <const int64_t *><const char *>packed
-    cdef Py_ssize_t n = len(packed) // 16, lo = 0, hi = n, mid
+    cdef Py_ssize_t n = len(packed) // 32, lo = 0, hi = n, mid
     cdef int64_t first, last
     if n == 0:
         return -1
-    first, last = v[0], v[2 * (n - 1)]
+    first, last = v[0], v[4 * (n - 1)]
     if first < pos < last:  # a first guess, then the halves on its side
         mid = <Py_ssize_t>((<double>(pos - first) / (last - first)) * (n - 1))
-        if v[2 * mid] < pos:
+        if v[4 * mid] < pos:
             lo = mid + 1
         else:
             hi = mid + 1
     while lo < hi:  # the first entry at pos or after it
         mid = (lo + hi) // 2
-        if v[2 * mid] < pos:
+        if v[4 * mid] < pos:
             lo = mid + 1
         else:
             hi = mid
-    if lo == n or v[2 * lo] != pos:
+    if lo == n or v[4 * lo] != pos:
         return -1
     at[0] = <int64_t>place[0] + pos
-    size[0] = v[2 * lo + 1]
+    size[0] = v[4 * lo + 1]
     placed[0] = found
     return -1 if at[0] < floor else lo
 
@@ -1297,11 +1311,15 @@ def cache_ref(dict objects, m, int64_t floor):
     if i < 0:
         return None
     head[1] = size
-    cdef bytes tables = <bytes?>(<tuple?>(<list?>(<tuple>placed)[1])[i])[2]
-    cdef Py_ssize_t n = len(tables)
+    cdef bytes packed = <bytes?>(<tuple>placed)[1]
+    cdef const int64_t *v = <const int64_t *><const char *>packed
+    cdef bytes tables = <bytes?>(<tuple>placed)[2]
+    cdef Py_ssize_t start = v[4 * i + 2], n = v[4 * i + 3] - v[4 * i + 2]
+    if start < 0 or n < 0 or start + n > len(tables):
+        raise ValueError("a cache entry's tables lie outside its object's")
     cdef bytes ref = PyBytes_FromStringAndSize(NULL, 16 + n)  # new, so written in place
     memcpy(<char *>ref, head, 16)
-    memcpy(<char *>ref + 16, <const char *>tables, n)
+    memcpy(<char *>ref + 16, <const char *>tables + start, n)
     return ref
 
 

@@ -180,11 +180,11 @@ class RecentCache(SegmentSource, Protocol):
         not cached."""
         ...
 
-    def put_object(self, key: str, body: memoryview, entries: list[tuple[int, int, bytes]], at: int = 0) -> None:
+    def put_object(self, key: str, body: memoryview, entries: tuple[bytes, bytes], at: int = 0) -> None:
         """Put segments of object `key` that lie back to back in body (its
-        byte 0 the object's byte `at`), each entry their position in the
-        object, size and tables (CachedSegment.tables): a node object's
-        slices, committed together, or a shared object's segments."""
+        byte 0 the object's byte `at`), their entries (shm.Entries: each
+        one's position in the object, size and tables) packed: a node
+        object's slices, committed together, or a shared object's segments."""
         ...
 
 

@@ -110,14 +110,18 @@ class Ring:
 CacheRef = bytes
 _REF = struct.Struct("=qq")
 
-# A cache entry (SharedCache.put_object): a segment's position in its object,
-# its size and its tables (CachedSegment.tables: every batch's base offset,
-# then every batch's position from the segment's start, 8-byte integers).
-Entry = tuple[int, int, bytes]
+# The entries of an object put in the cache (SharedCache.put_object), in the
+# order of their positions: of each segment its position in the object, its
+# size, and where its tables (CachedSegment.tables: every batch's base offset,
+# then every batch's position from the segment's start, 8-byte integers) start
+# and end in the second bytes object, as 8-byte integers in the first
+# (_native.pack_entries makes them of (position, size, tables) triples,
+# _native.assemble_node of a node object's slices).
+Entries = tuple[bytes, bytes]
+_QUAD = struct.Struct("=4q")
 # An object put in the cache: how far its byte 0 lies from the ring's absolute
-# positions (a segment at p in it sits at shift + p), its entries in the order
-# of their positions, and their positions and sizes packed (_native.pack_entries).
-Placed = tuple[int, list[Entry], bytes]
+# positions (a segment at p in it sits at shift + p), and its entries.
+Placed = tuple[int, bytes, bytes]
 
 
 def ref_position(ref: CacheRef) -> int:
@@ -136,8 +140,8 @@ class SharedCache:
     Has the SegmentSource interface that PartitionLog reads through.
 
     What it holds is kept by object (a node object, a shared compacted one,
-    or a segment object of its own), each object's entries in one list, not
-    a dict entry a segment: at 20,000 records/s over 1,000 partitions the
+    or a segment object of its own), each object's entries in two bytes
+    objects, not a dict entry a segment: at 20,000 records/s over 1,000 partitions the
     cache held about 450,000 slices, and a lookup in a dict of them (one per
     slice, made at each commit and dropped as the ring moved on) cost a cache
     miss or more each time; making and dropping their entries had 5.8% of
@@ -166,29 +170,32 @@ class SharedCache:
         """Put one segment (read back from S3, or just built): a segment of a
         larger object (a node object's slice, a shared object's segment) goes
         under its ref, so that its object's other entries stay."""
-        self.put_object(m.key if m.pos < 0 else m.ref, memoryview(seg.data), [(m.start, len(seg.data), seg.tables())],
-                        m.start)
+        self.put_object(m.key if m.pos < 0 else m.ref, memoryview(seg.data),
+                        _native.pack_entries([(m.start, len(seg.data), seg.tables())]), m.start)
 
-    def put_object(self, key: str, body: memoryview, entries: list[Entry], at: int = 0) -> None:
+    def put_object(self, key: str, body: memoryview, entries: Entries, at: int = 0) -> None:
         """Write segments of object `key` that lie back to back in body
         (whose byte 0 is the object's byte `at`): a node object's slices or
         a shared object's segments, each entry their position in the object,
-        size and tables, in the order of their positions. One reservation
+        size and tables, in the order of their positions, none empty. One reservation
         and one copy (one check of the workers' pins and one eviction pass
         for all of them, not one each: per slice that was 7 µs, about 7% of
         the log process at 20,000 records/s over 100 partitions). If the
         space they need holds a segment a worker has pinned, none is written
         (compaction then reads them from S3). The object's entries replace
         any it had before."""
-        entries = [e for e in entries if e[1]]
-        if not entries:
+        packed, tables = entries
+        n = len(packed) // _QUAD.size
+        if not n:
             return
-        lo, hi = entries[0][0], entries[-1][0] + entries[-1][1]
+        lo = _QUAD.unpack_from(packed)[0]
+        last, size, _, _ = _QUAD.unpack_from(packed, len(packed) - _QUAD.size)
+        hi = last + size
         total = hi - lo
         if total > self.size:  # more than the cache holds: those that fit alone, one by one (the later ones
-            for entry in entries:  # replace the earlier ones, which they overwrite anyway unless very small)
-                if entry[1] <= self.size:
-                    self.put_object(key, body, [entry], at)
+            for i in range(0, len(packed), _QUAD.size):  # replace the earlier ones, which they overwrite anyway
+                if _QUAD.unpack_from(packed, i)[1] <= self.size:
+                    self.put_object(key, body, (packed[i:i + _QUAD.size], tables), at)
             return
         start = self._head
         off = start % self.size
@@ -196,16 +203,16 @@ class SharedCache:
             start += self.size - off
         end = start + total
         if self._pinned_below(end):  # a worker is still sending what this would overwrite
-            self.skipped_pinned += len(entries)
+            self.skipped_pinned += n
             return
         _native.atomic_store(self.header, _RESERVE, end)
         if self._pinned_below(end):  # a worker pinned it meanwhile: leave its bytes alone
-            self.skipped_pinned += len(entries)
+            self.skipped_pinned += n
             return
         self._head = end
         off = start % self.size
         self.data[off:off + total] = body[lo - at:hi - at]
-        placed = (start - lo, entries, _native.pack_entries(entries))
+        placed = (start - lo, packed, tables)
         self.objects[key] = placed
         self._placed.append((end, key, placed))
         floor = self._oldest_valid()

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kafscale import faults, metrics
+from kafscale import _native, faults, metrics
 from kafscale.config import Config
 from kafscale.metadata.store import SHARED_PARTITIONS, TXN_MAX_OPS, MetaStore, SegmentManifest
 from kafscale.storage.objectstore import ObjectStore
@@ -223,8 +223,8 @@ async def compact_shared(logs: list[PartitionLog], cfg: Config, store: ObjectSto
             await store.delete(key)
         return 0
     # one cache reservation and copy for all (per segment that was an eighth of a compaction's CPU)
-    cache.put_object(key, memoryview(body), [(s.manifest.pos, len(builts[s.log][2].data), builts[s.log][2].tables)
-                                              for s in committed])
+    cache.put_object(key, memoryview(body), _native.pack_entries([(s.manifest.pos, len(builts[s.log][2].data),
+                                                                   builts[s.log][2].tables) for s in committed]))
     for s in committed:  # one partition at a time, as they were built
         s.log.serve_compacted(s.manifest, builts[s.log])
         await asyncio.sleep(0)

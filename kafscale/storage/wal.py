@@ -158,7 +158,7 @@ def layout_order(lg: PartitionLog) -> tuple[str, int]:
 # object, its key and its slices' entries for the cache (RecentCache.put_object), its
 # summary for this broker's collector (NodeFlusher.handed_over), and the future
 # its flush waits on
-_Uploaded = tuple[bytes, list[Slice], tuple[memoryview, str, list[tuple[int, int, bytes]]], "Summary",
+_Uploaded = tuple[bytes, list[Slice], tuple[memoryview, str, tuple[bytes, bytes]], "Summary",
                   asyncio.Future[None]]
 
 

@@ -64,8 +64,10 @@ class DictCache:
         self.segments[m.ref] = seg
 
     def put_object(self, key, body, entries, at=0):
-        for pos, n, tables in entries:
-            self.segments[f"{key}#{pos}"] = CachedSegment.from_tables(body[pos - at:pos - at + n], memoryview(tables))
+        packed, tables = entries
+        for pos, n, start, end in struct.iter_unpack("=4q", packed):
+            self.segments[f"{key}#{pos}"] = CachedSegment.from_tables(body[pos - at:pos - at + n],
+                                                                      memoryview(tables)[start:end])
 
     def drop(self, m):
         self.segments.pop(m.ref, None)

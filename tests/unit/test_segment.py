@@ -102,8 +102,9 @@ def test_a_node_objects_slices_are_the_segments_build_segment_makes():
     # the collector's summary rows: each slice's topic place, partition, base and last offset, as in its row
     assert summary == array("q", [v for r in json.loads(f"[{rows.decode()}]") for v in r[:4]]).tobytes()
     pos = 0
+    packed, tables = entries
     for i, ((lg, items), slice_parts, s, entry, row) in enumerate(zip(
-            taken, parts, slices, entries, json.loads(f"[{rows.decode()}]"), strict=True)):
+            taken, parts, slices, struct.iter_unpack("=4q", packed), json.loads(f"[{rows.decode()}]"), strict=True)):
         seg = build_segment(slice_parts, created_ms=1234)
         m = s.manifest
         assert s.log is lg and s.items is items and all(p.release is None for p in items)
@@ -115,7 +116,7 @@ def test_a_node_objects_slices_are_the_segments_build_segment_makes():
                        *([m.producers] if m.producers else [])]
         assert entry[:2] == (m.pos, m.size)
         assert m.ref == dataclasses.replace(m, ref="").ref == f"k.kfn#{pos}"  # the ref SegmentManifest makes
-        cached = CachedSegment.from_tables(memoryview(body)[pos:pos + m.size], memoryview(entry[2]))
+        cached = CachedSegment.from_tables(memoryview(body)[pos:pos + m.size], memoryview(tables)[entry[2]:entry[3]])
         built = CachedSegment.from_built(seg)
         assert (list(cached.bases), list(cached.positions)) == (list(built.bases), list(built.positions))
         pos += m.size

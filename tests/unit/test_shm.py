@@ -152,7 +152,7 @@ def put_object(cache: SharedCache, key: str, *segments: tuple[int, int]) -> list
     for tag, n in segments:
         entries.append((len(body), n, segment(tag, n).tables()))
         body += bytes([tag]) * n
-    cache.put_object(key, memoryview(body), entries)
+    cache.put_object(key, memoryview(body), _native.pack_entries(entries))
     return [seg(key, pos) for pos, _, _ in entries]
 
 
@@ -192,17 +192,21 @@ def test_a_node_objects_slices_go_into_the_cache_back_to_back_or_not_at_all():
     assert list(cache.objects) == []
 
 
-def test_a_cache_ref_is_no_object_of_the_cyclic_collector_and_keeps_every_batch():
-    """A worker is sent a ref of each slice it views at every node commit:
-    it must cost the young collections nothing."""
+def test_cache_entries_and_refs_are_no_objects_of_the_cyclic_collector_and_keep_every_batch():
+    """The cache holds an entry a slice it has (about 450,000 at 20,000
+    records/s over 1,000 partitions), and a worker is sent a ref of each
+    slice it views at every node commit: neither may cost the young
+    collections anything."""
     area = SharedArea(1, 64, 4096)
     cache, reader = SharedCache(area), CacheReader(area, 0)
+    [m] = put_object(cache, "n", (5, 300))
+    assert m.key in cache.objects and not any(gc.is_tracked(part) for part in cache.objects[m.key][1:])
     cache.put(seg("x"), segment(1, 100))
     y = seg("y")
     cache.put(y, CachedSegment(bytes(range(200)), [7, 9, 12], [0, 60, 130], body_end=200))
     ref = cache.ref(y)
     assert ref is not None and not gc.is_tracked(ref)
-    assert ref_position(ref) == 100
+    assert ref_position(ref) == 400
     got = reader.acquire(ref)
     assert got is not None and bytes(got.data) == bytes(range(200))
     assert list(got.bases) == [7, 9, 12] and list(got.positions) == [0, 60, 130]
@@ -230,9 +234,9 @@ def test_a_read_of_a_cached_segment_slices_it_as_the_segment_itself_does():
         else:  # between two others in a node object
             before, after = rnd.randint(1, 50), rnd.randint(1, 50)
             m = seg(f"s{round_}", before)
-            cache.put_object(m.key, memoryview(bytes(before) + data + bytes(after)),
-                             [(0, before, segment(0, before).tables()), (before, len(data), one.tables()),
-                              (before + len(data), after, segment(0, after).tables())])
+            cache.put_object(m.key, memoryview(bytes(before) + data + bytes(after)), _native.pack_entries(
+                [(0, before, segment(0, before).tables()), (before, len(data), one.tables()),
+                 (before + len(data), after, segment(0, after).tables())]))
         if round_ == 0:
             first, first_ref = m, cache.ref(m)
         whole = cache.get(m)
@@ -268,8 +272,8 @@ def test_a_segment_built_from_cached_slices_is_the_one_build_segment_makes_of_th
         ours = build_segment([(b, 0) for b in batches], 5)  # its base offsets as a slice's (patched again below)
         other = build_segment([(_native.build_batch([(7, None, b"other", [])]), 0)], 5)
         body = bytes(other.data) + bytes(ours.data)
-        cache.put_object(f"n{i}", memoryview(body), [(0, len(other.data), other.tables),
-                                                     (len(other.data), len(ours.data), ours.tables)])
+        cache.put_object(f"n{i}", memoryview(body), _native.pack_entries(
+            [(0, len(other.data), other.tables), (len(other.data), len(ours.data), ours.tables)]))
         manifests.append(SegmentManifest(base, base + ours.count - 1, ours.count, len(ours.data), 0, 0, f"n{i}", 0,
                                          {}, len(other.data)))
         parts.append((b"".join(batches), base))
