@@ -180,6 +180,14 @@ class RecentCache(SegmentSource, Protocol):
         not cached."""
         ...
 
+    def drop(self, m: SegmentManifest) -> None:
+        """Forget m's segment: its manifest is gone."""
+        ...
+
+    def drop_prefix(self, prefix: str) -> None:
+        """Forget every segment whose object key starts with prefix."""
+        ...
+
     def put_object(self, key: str, body: memoryview, entries: tuple[bytes, bytes], at: int = 0) -> None:
         """Put segments of object `key` that lie back to back in body (its
         byte 0 the object's byte `at`), their entries (shm.Entries: each

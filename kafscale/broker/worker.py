@@ -85,13 +85,6 @@ class _ViewCache:
     def put(self, m: SegmentManifest, seg: CachedSegment) -> None:
         """Only the log process writes the shared cache."""
 
-    def drop(self, m: SegmentManifest) -> None:
-        self.refs.pop(m.ref, None)
-
-    def drop_prefix(self, prefix: str) -> None:
-        for key in [k for k in self.refs if k.startswith(prefix)]:
-            del self.refs[key]
-
 
 class PartitionView(LogReader):
     """What a worker knows of a partition its node owns: committed segments,

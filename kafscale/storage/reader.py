@@ -48,12 +48,6 @@ class SegmentSource(Protocol):
 
     def put(self, m: SegmentManifest, seg: CachedSegment) -> None: ...
 
-    def drop(self, m: SegmentManifest) -> None:
-        """Forget m's segment: its manifest is gone."""
-
-    def drop_prefix(self, prefix: str) -> None:
-        """Forget every segment whose object key starts with prefix."""
-
 
 MIN_WINDOW = 1024 * 1024  # smallest ranged GET planned when read-ahead memory runs short
 AHEAD = 2  # windows read ahead of the one being served

@@ -46,12 +46,6 @@ class NoCache:
     def put(self, m: SegmentManifest, seg: object) -> None:
         pass
 
-    def drop(self, m: SegmentManifest) -> None:
-        pass
-
-    def drop_prefix(self, prefix: str) -> None:
-        pass
-
 
 def segment(store: HeldStore, base: int, n: int, batches: int = 1, value_size: int = 0) -> SegmentManifest:
     """A segment of n records in `batches` batches, indexed every 4 KiB."""
