@@ -384,7 +384,7 @@ class PartitionLog(LogReader):
     def compaction_bytes(self) -> int:
         """Bytes the next compaction reads (it holds up to twice that while it
         builds the segment: what it read from S3, and the segment)."""
-        return self._to_compact()[1]
+        return self._slice_bytes if self._slice_bytes <= self.segment_bytes else self._to_compact()[1]
 
     def to_merge(self, new_bytes: int, limit: int, most: int) -> list[SegmentManifest]:
         """The compacted segments in shared objects just before the slices that
