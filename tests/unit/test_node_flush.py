@@ -158,6 +158,33 @@ def test_a_batch_goes_at_once_with_nothing_under_way_and_gathers_for_the_linger_
     run(go())
 
 
+def test_batches_of_more_partitions_than_an_object_holds_go_at_once_behind_an_object(
+        monkeypatch: pytest.MonkeyPatch):
+    """Behind an object under way, MAX_SLICES partitions with batches queued
+    are cut at once, object after object, like flush_bytes queued: a request
+    naming more partitions than an object holds waited a linger for each of
+    its objects after the first. Fewer still gather for the linger."""
+    async def go():
+        n = Node()
+        n.cfg = Config(node_id=1, namespace="unit", linger_ms=2_000, node_flush=True)
+        flusher, logs = await n.start(partitions=5)
+        n.gate.clear()
+        first = append(logs[0], batch(b"a"))
+        await n.until(lambda: n.uploaded() == 1)
+        full = [append(lg, batch(b"b")) for lg in logs[1:]]  # two objects' worth, in one go
+        await asyncio.wait_for(n.until(lambda: n.uploaded() == 3), 1)
+        short = append(logs[0], batch(b"c"))
+        await asyncio.sleep(0.3)
+        assert n.uploaded() == 3, "fewer than MAX_SLICES partitions queued: they gather for the linger"
+        n.gate.set()
+        assert await asyncio.wait_for(asyncio.gather(first, *full, short), 5) == [0, 0, 0, 0, 0, 1]
+        assert n.uploaded() == 4
+        await flusher.stop()
+
+    monkeypatch.setattr(wal, "MAX_SLICES", 2)
+    run(go())
+
+
 def test_a_node_object_times_its_stages_from_queued_to_acknowledged():
     """kafscale_node_flush_seconds: per node object, how long its oldest batch
     waited to be cut (the linger, behind an object under way), its upload,
