@@ -368,9 +368,13 @@ class PartitionLog(LogReader):
         """When the oldest committed slice was created (0 with none)."""
         return self.segments[-self._slice_count].created_ms if self._slice_count else 0
 
+    def _slices_fit(self) -> bool:
+        """All committed slices fit one segment: the next compaction takes them all (the usual case)."""
+        return self._slice_bytes <= self.segment_bytes
+
     def _to_compact(self) -> tuple[list[SegmentManifest], int]:
         """The committed slices the next compaction takes (oldest first, up to segment.bytes) and their bytes."""
-        if self._slice_bytes <= self.segment_bytes:  # all of them (the usual case: counted, not summed)
+        if self._slices_fit():  # all of them: counted, not summed
             return self._slices(), self._slice_bytes
         slices: list[SegmentManifest] = []
         size = 0
@@ -384,7 +388,7 @@ class PartitionLog(LogReader):
     def compaction_bytes(self) -> int:
         """Bytes the next compaction reads (it holds up to twice that while it
         builds the segment: what it read from S3, and the segment)."""
-        return self._slice_bytes if self._slice_bytes <= self.segment_bytes else self._to_compact()[1]
+        return self._slice_bytes if self._slices_fit() else self._to_compact()[1]
 
     def to_merge(self, new_bytes: int, limit: int, most: int) -> list[SegmentManifest]:
         """The compacted segments in shared objects just before the slices that
