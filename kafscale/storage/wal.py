@@ -3,12 +3,13 @@ owns, committed in one etcd transaction whatever the partition count.
 
 The NodeFlusher gathers the queued batches of all its partition logs for
 `linger_ms` (sooner once `flush_bytes` are queued or MAX_SLICES partitions
-have batches queued; at once while no object is under way, see Linger), builds each partition's
-part as a complete .kfs segment (a *slice*), writes the slices back to back
-with a directory after them as one node object (If-None-Match), and commits
-the directory under `wal/{fence}/{seq}` in one etcd transaction that compares
-one key: the log process's fence. Producers are acknowledged after that
-commit. Up to MAX_UPLOADS objects upload at once; they commit in order.
+have batches queued; at once while no object is under way, see Linger),
+builds each partition's part as a complete .kfs segment (a *slice*), writes
+the slices back to back with a directory after them as one node object
+(If-None-Match), and commits the directory under `wal/{fence}/{seq}` in one
+etcd transaction that compares one key: the log process's fence. Producers
+are acknowledged after that commit. Up to MAX_UPLOADS objects upload at
+once; they commit in order.
 
 A claim of a partition deletes the fence of the log process that owned it
 before (etcd's claim transaction), so no later node object of that process
@@ -460,7 +461,7 @@ class NodeFlusher:
             # an object's worth of partitions queued goes at once: at 20,000 records/s over 10,000 partitions
             # Sarama's requests (about 900 partitions each, several in flight) queued more than MAX_SLICES, and
             # each object after the first waited a linger (ack p50 516 -> 90 ms, p99 1,488 -> 799 ms: medians of
-            # three alternating runs; bench/README.md, session 99)
+            # three alternating runs; later single runs with it swung 353-1,532 ms p99; bench/README.md, session 99)
             if self.queued_bytes < self.cfg.flush_bytes and len(self.queued) < MAX_SLICES:
                 wait = self._linger.wait(self.cfg.linger_ms, not self._flushes)
                 if wait > 0:
