@@ -103,7 +103,7 @@ def _as_storage_server() -> None:
     acknowledgement waiting on its event loop with it. A SCHED_BATCH
     thread never takes a CPU from a running one on waking; it runs once
     that one waits or has had its time slice, with the same share of the
-    CPUs (same nice value) as before (bench/README.md, session 86)."""
+    CPUs (same nice value) as before (bench/history.md, session 86)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if hasattr(os, "SCHED_BATCH"):  # Linux

@@ -232,7 +232,7 @@ def hold_produce(list calls, list readers, object refused):
     where a payload is (view, release()) as RingReader.hold gives it, or what
     refused(p) makes of a payload the worker refused (not a tuple). One call
     for all: about 6,600 instructions a one-partition request fewer than the
-    same loops in Python (bench/README.md, session 92)."""
+    same loops in Python (bench/history.md, session 92)."""
     cdef list reqs = [], topics, parts
     cdef RingReader reader
     cdef Py_ssize_t slot
@@ -759,7 +759,7 @@ cdef Py_ssize_t _place_batches(uint8_t *d, Py_ssize_t pos, object payload, int64
     payload's bytes are taken through the buffer protocol and each header is
     read in place: with a typed memoryview (an object a payload) and
     read_header (a BatchInfo a batch), assemble_segment of 1,000 one-batch
-    parts took 397 us, 290 without (bench/README.md, session 93). The tables
+    parts took 397 us, 290 without (bench/history.md, session 93). The tables
     are C arrays, not lists of Python ints (assemble_node of 1,000 slices
     1,565 -> 1,533 us, session 94)."""
     cdef Py_buffer view
@@ -831,7 +831,7 @@ def assemble_segment(list parts, int64_t created_ms, Py_ssize_t index_interval):
     smallest base timestamp, largest max timestamp, last offset); with no
     batches at all, the buffer holds no header or footer. Lists of Python
     ints for the tables, packed again for the cache by each compaction,
-    had 4% of the compaction's samples at 1,000 partitions (bench/README.md,
+    had 4% of the compaction's samples at 1,000 partitions (bench/history.md,
     session 95)."""
     cdef Py_ssize_t total = 0, pos = KFS_HEADER
     cdef _SegStats st
@@ -855,7 +855,7 @@ def assemble_cached(dict objects, list manifests, int64_t floor, ring, Py_ssize_
     base offset on, copied straight out of the ring; None if one of them is
     not cached (or was overwritten). A compaction's slices went through a
     memoryview each (0.5 us to make) and a list of pairs first
-    (bench/README.md, session 97)."""
+    (bench/history.md, session 97)."""
     cdef Py_ssize_t n = len(manifests), i, total = 0, pos = KFS_HEADER, got
     cdef int64_t *at = <int64_t *>malloc(sizeof(int64_t) * 2 * n + 1)
     cdef _SegStats st
@@ -915,7 +915,7 @@ cdef bytearray _unfilled(Py_ssize_t n):
     every one of them (a segment's header, batches and footer, or a node
     object's slices back to back): zeroing each node object's megabyte
     first had 1.3% of py-spy's samples of bench.logproc at 1,000
-    partitions (bench/README.md, session 94)."""
+    partitions (bench/history.md, session 94)."""
     return PyByteArray_FromStringAndSize(NULL, n)
 
 
@@ -1016,7 +1016,7 @@ cdef class AckSet:
     durable leaves its response as it is, a failed one is passed to the
     subclass's failed(token, exc)), and `waiter`, a future set once none is
     left. Pending.answer calls an AckSet's answer without a Python call
-    (bench/README.md, session 94)."""
+    (bench/history.md, session 94)."""
     cdef dict _left  # id(response) -> response
     cdef public object waiter
 
@@ -1065,7 +1065,7 @@ cdef class Pending:
     Native, as one is made, copied, released and answered for every
     partition batch: as a Python dataclass with Python methods these were
     about 5% of a request's instructions at 1,000 partitions
-    (bench/README.md, session 93)."""
+    (bench/history.md, session 93)."""
     cdef public object payload
     cdef public int64_t base
     cdef public object acks
@@ -1191,7 +1191,7 @@ def cached_slice(data, Py_ssize_t size, bytes ref, int64_t offset, Py_ssize_t ma
     a slice of each partition with new records: through a CachedSegment
     (two casts of the tables, a list of every batch's end) a worker's read
     of a 2-batch slice, pinned and released, took 2.7-2.8 us, of a
-    200-batch segment 5.6-5.9; this way 1.0 each (bench/README.md, session
+    200-batch segment 5.6-5.9; this way 1.0 each (bench/history.md, session
     96)."""
     cdef const char *r = PyBytes_AsString(ref)
     cdef Py_ssize_t n = len(ref) - 16, count, lo, hi, mid, start, end, last, body_end
@@ -1229,7 +1229,7 @@ def pack_entries(list entries):
     triples of size 0 left out. Kept as these two bytes objects, an object's
     entries are no objects of Python's cyclic collector: a tuple a slice
     (about 450,000 in the cache at 20,000 records/s over 1,000 partitions)
-    each went through a young collection (bench/README.md, session 97), and
+    each went through a young collection (bench/history.md, session 97), and
     a binary search over tuples of Python ints took about thirty cache misses
     a lookup (2.4 us)."""
     cdef list kept = [e for e in entries if (<tuple?>e)[1]]
@@ -1303,7 +1303,7 @@ def cache_ref(dict objects, m, int64_t floor):
     hold it and it has not been overwritten (floor: the oldest valid
     position); else None. Made only when a worker is to read it: one a
     cached slice, kept until the ring overwrote it, cost the log process
-    its making and a dict entry each (bench/README.md, session 97)."""
+    its making and a dict entry each (bench/history.md, session 97)."""
     cdef int64_t head[2]
     cdef Py_ssize_t size
     cdef PyObject *placed
@@ -1336,7 +1336,7 @@ def cached_batches(dict objects, manifests, int64_t floor, data, Py_ssize_t size
     in the ring `data` of `size` bytes (header and footer left out), or None
     (not cached, or overwritten: at a position below floor). In Python this
     loop had 2% of py-spy's samples of bench.logproc at 1,000 partitions
-    (bench/README.md, session 94)."""
+    (bench/history.md, session 94)."""
     cdef list found = []
     cdef int64_t at
     cdef Py_ssize_t off, n
@@ -1752,7 +1752,7 @@ def fixed_dicts(list rows, tuple names, dict defaults):
     defaults: the elements of an array of fixed-size fields
     (protocol/codec.py _StructCodec.fixed_rows), a consumer's Fetch naming
     each of its partitions. dict(zip(names, row)) and an update made a
-    Fetch partition in 0.65-0.74 us, this in 0.15 (bench/README.md,
+    Fetch partition in 0.65-0.74 us, this in 0.15 (bench/history.md,
     session 96)."""
     cdef Py_ssize_t k = len(names), i
     cdef list out = []

@@ -129,7 +129,7 @@ class PartitionChanged(NamedTuple):
         its fields. A list of named tuples pickles through Python code for
         each one (its class's __reduce_ex__ and __getnewargs__, its
         manifest's __reduce__): made and pickled, 1.86 us a change, 0.51 as
-        plain tuples (bench/README.md, session 96)."""
+        plain tuples (bench/history.md, session 96)."""
         return topic, partition, closed, hw, log_start, None if manifest is None else manifest.fields(), ref
 
     @classmethod

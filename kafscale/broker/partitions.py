@@ -55,13 +55,13 @@ COMPACTION_CHECK_S = 1.0  # how often open partitions are checked for slices due
 # up to half as long again to start, and reads its slices when it does)
 COMPACTION_CACHE_SHARE = 1 / 3
 # a partition whose slices stay small (SMALL_SLICES_BYTES) is compacted this many lags after its oldest: at
-# 10,000 partitions every one of them is small and costs a compaction each lag (bench/README.md, session 55)
+# 10,000 partitions every one of them is small and costs a compaction each lag (bench/history.md, session 55)
 SMALL_LAG_FACTOR = 3
 COMPACTION_MEMORY_SEGMENTS = 2  # compactions under way hold at most this many segment.bytes (slices read + built)
 # compactions under way at once: compacting a hundred at once queued two hundred PUTs ahead of the node flushes'
 # (producers waited for seconds). At 20,000 records/s over 100 partitions nearly every acknowledgement above the
 # p99 came while the first compactions ran; the p99's median over six alternating runs was 152 ms with two at once,
-# 253 with four (179 over fifteen runs with four; bench/README.md, session 98)
+# 253 with four (179 over fifteen runs with four; bench/history.md, session 98)
 COMPACTIONS_AT_ONCE = 2
 # due logs compaction_batches groups in one go: at 10,000 partitions a check starts 2,000, and sorting them and
 # grouping them all at once held the log process's event loop for 7-11 ms each second under load (session 85)
@@ -84,12 +84,12 @@ CLAIM_BATCHES_AT_ONCE = 4
 # partitions stopped with 10,001 etcd transactions, one a partition
 HANDOVER_BATCHES_AT_ONCE = 4
 # partitions the retention pass goes through before it lets other work run (1,000 held the log process's
-# event loop about 10 ms a turn at 10,000 partitions, under load: bench/README.md, session 91)
+# event loop about 10 ms a turn at 10,000 partitions, under load: bench/history.md, session 91)
 RETENTION_TURN = 250
 # after this many partitions opened, every object the cyclic collector tracks is frozen (gc.freeze: never
 # scanned again), so that open partitions' objects (about 15 each) are not scanned by every middle and full
 # collection: at 10,000 partitions the first middle collection after they opened held the log process for
-# 83-147 ms, in the middle of the producers' load (bench/README.md, session 85). Freezing takes no time (it joins
+# 83-147 ms, in the middle of the producers' load (bench/history.md, session 85). Freezing takes no time (it joins
 # lists); the cost is that cyclic garbage present at that moment is never collected (under load the log process's
 # collections found 0-73 unreachable objects each). A closed partition's objects hold no cycle: frozen ones are
 # freed when the last reference goes
@@ -600,7 +600,7 @@ class PartitionRegistry:
         for the next check) checks again at once: one segment a check held
         a partition written faster than segment.bytes a second (16 MiB/s)
         ever further behind, until its slices left the cache and compaction
-        read each back with a GET (bench/README.md, session 64)."""
+        read each back with a GET (bench/history.md, session 64)."""
         limit = COMPACTION_MEMORY_SEGMENTS * self.cfg.segment_bytes
         free = [limit]
         freed = asyncio.Condition()

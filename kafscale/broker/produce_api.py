@@ -25,7 +25,7 @@ from kafscale.storage.wal import Turns
 log = logging.getLogger(__name__)
 
 # partition batches a call appends before other work gets a turn: Sarama's requests naming 10,000 partitions each
-# kept the log process's event-loop lag p99 in the 250 ms bucket, 100 ms with turns (bench/README.md, session 60)
+# kept the log process's event-loop lag p99 in the 250 ms bucket, 100 ms with turns (bench/history.md, session 60)
 APPEND_TURN = 1000
 
 # A produce payload a worker validated and put in shared memory, and how to

@@ -58,14 +58,14 @@ class ConnectionLimits:
     # client sends meanwhile waits in this buffer, unseen by the client: the system's grows to megabytes, a few
     # thousand one-record produce requests queued behind the limit. librdkafka holds records back for larger
     # requests only while it cannot write its socket (queue.buffering.backpressure.threshold); Kafka's
-    # 100 KiB cut its p99 against a slow listener to a third (bench/README.md, session 71).
+    # 100 KiB cut its p99 against a slow listener to a third (bench/history.md, session 71).
     receive_buffer_bytes: int = -1
     # A connection whose reads of Produce requests are small (below PACED_READ_BYTES), come less than twice this
     # apart and find earlier requests still unanswered is read at most once this long after the read before, its
     # socket left unpolled meanwhile (0: never); a client that waits for each answer before it sends again is
     # not. librdkafka sends a request per partition batch: over 10,000 partitions at 2,000 records/s the worker
     # woke about 1,200 times a second for one or two requests, and so did the log process it passed them to;
-    # the wake-ups, not the requests, were most of their CPU (bench/README.md, session 88).
+    # the wake-ups, not the requests, were most of their CPU (bench/history.md, session 88).
     read_pacing_s: float = 0.0
 
     @classmethod

@@ -146,7 +146,7 @@ class SharedCache:
     slice, made at each commit and dropped as the ring moved on) cost a cache
     miss or more each time; making and dropping their entries had 5.8% of
     py-spy's samples of the log process, compaction's lookups 3.6%
-    (bench/README.md, session 97)."""
+    (bench/history.md, session 97)."""
 
     def __init__(self, area: SharedArea) -> None:
         self.header = area.cache_mem[:area.cache_header]
@@ -261,7 +261,7 @@ class SharedCache:
         put. How far the ring has moved is read once for all of them: a
         compaction takes a partition's slices, about a thousand at 20,000
         records/s over 100 partitions; a lookup each through ref() took 0.91
-        µs a slice, one call for them all 0.46 (bench/README.md, session 80)."""
+        µs a slice, one call for them all 0.46 (bench/history.md, session 80)."""
         return _native.cached_batches(self.objects, manifests, self._oldest_valid(), self.data, self.size)
 
     def build(self, manifests: list[SegmentManifest], created_ms: int) -> BuiltSegment | None:

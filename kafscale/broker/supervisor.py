@@ -58,7 +58,7 @@ def _tune_malloc() -> None:
     every free page of every heap back. The etcd client's transactions
     therefore skip protobuf's message classes (metadata.etcd_client's
     encode_txn): the log process's trims went from one every 5-10 s to
-    about one every two minutes (bench/README.md, session 81)."""
+    about one every two minutes (bench/history.md, session 81)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

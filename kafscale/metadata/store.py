@@ -173,7 +173,7 @@ class SegmentManifest:
         is: a worker's view of a partition gets its manifests in a snapshot
         (messages.PartitionSnapshot): a list of them took 1.56-1.65 us a
         manifest to pickle and 1.02-1.04 to unpickle by name, 0.67-0.69 and
-        0.44-0.45 this way (bench/README.md, session 96)."""
+        0.44-0.45 this way (bench/history.md, session 96)."""
         return SegmentManifest, self.fields()
 
     def to_json(self) -> bytes:

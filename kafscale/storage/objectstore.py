@@ -36,7 +36,7 @@ joined; SeaweedFS also spends more CPU per byte on its smaller writes.
 Measured on the bench machine (four 14 MiB PUTs in flight): 120 MiB/s
 with aiohttp against 155 MiB/s with threads, at 2.0 against 1.4 client
 CPU-seconds per GiB; for reads, taking GETs off a protocol worker's loop
-made cold catch-up about 15% faster (bench/README.md)."""
+made cold catch-up about 15% faster (bench/history.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -353,7 +353,7 @@ class _LoopPuts:
     once), signed and retried as _Direct's. In a thread a 14 KiB PUT cost
     the process 375-460 µs of CPU, about 200 of them the trip through the
     pool and back to the loop, and both the thread and the loop wanted the
-    GIL meanwhile; here it costs 205-215 µs (bench/README.md, session 61).
+    GIL meanwhile; here it costs 205-215 µs (bench/history.md, session 61).
     A larger body stays in a thread: what the socket does not take at once,
     asyncio's transport copies and sends from the loop in pieces."""
 
@@ -538,7 +538,7 @@ class ObjectStore:
         background write (a compaction's segment) larger than MIN_PART goes as
         parts of about MIN_PART, one at a time: a store answers other requests
         slowly while it takes in a large body (SeaweedFS: a 13 KiB PUT 20-90 ms
-        during a 16 MiB one, under 25 ms during its 5 MiB parts; bench/README.md),
+        during a 16 MiB one, under 25 ms during its 5 MiB parts; bench/history.md),
         and the PUTs that acknowledge producers must not wait behind it."""
         with metrics.s3_call("put"):
             if background and len(data) > MIN_PART:

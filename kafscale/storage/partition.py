@@ -98,7 +98,7 @@ class _ProducerState:
 class PartitionLog(LogReader):
     # Attributes in slots, the ones each partition batch touches first: at 1,000 partitions a log is
     # seldom in the CPU's caches when its next batch comes, and an instance dict's values are one more
-    # place to fetch (bench.logproc at 1,000 partitions: 0.89 of the CPU a request; bench/README.md,
+    # place to fetch (bench.logproc at 1,000 partitions: 0.89 of the CPU a request; bench/history.md,
     # session 95). Tests patch methods on the class.
     __slots__ = (  # noqa: RUF023 (in the order of use, not sorted)
         "next_offset", "_pending", "_pending_bytes", "node", "closed", "_slice_count", "_slice_bytes", "checkpoint",
@@ -136,7 +136,7 @@ class PartitionLog(LogReader):
         self._commit_lock = asyncio.Lock()  # flush commits and retention both move the partition key
         # what a draining close waits on until nothing is queued or being flushed (_drain_done); made
         # then only, not an Event cleared at every append and set at every commit (two calls a
-        # partition batch; bench/README.md, session 94)
+        # partition batch; bench/history.md, session 94)
         self._drained: asyncio.Future[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._flushes: set[asyncio.Task[None]] = set()  # segments being uploaded or committed
@@ -401,7 +401,7 @@ class PartitionLog(LogReader):
         through about log_k(limit / new_bytes) merges. (Two at a time, a
         binary counter, took it through log2 of that: after 90 s at 1,000
         partitions compaction wrote 1.64-1.65 times the slices' bytes, against
-        1.29-1.40 with k = 4, bench/README.md.) A group that would pass
+        1.29-1.40 with k = 4, bench/history.md.) A group that would pass
         `limit` is taken as far as it fits, newest first, else the largest
         segments below it would never merge."""
         taken: list[SegmentManifest] = []

@@ -122,7 +122,7 @@ def _segment_reads(source: str) -> metrics.Tally:
     S3, a Tally: a consumer of 1,000 partitions has a read counted for each
     partition of each Fetch, and an increment of the multiprocess value
     itself (a label lookup, a lock, a pid check, a write) was 9% of a
-    worker's samples serving one at 20,000 records/s (bench/README.md,
+    worker's samples serving one at 20,000 records/s (bench/history.md,
     session 96)."""
     return metrics.Tally(metrics.SEGMENT_READS.labels(metrics.node(), source))
 
@@ -198,7 +198,7 @@ class LogReader:
         if offset < self.log_start or offset > self.hw:
             raise LogError(ErrorCode.OFFSET_OUT_OF_RANGE, f"offset {offset} outside [{self.log_start}, {self.hw}]")
         # time.monotonic (the loop's clock): asyncio.get_running_loop() asks the kernel for the pid each
-        # call, a read of each partition of a consumer's Fetch (bench/README.md, session 96)
+        # call, a read of each partition of a consumer's Fetch (bench/history.md, session 96)
         self.last_read = now = time.monotonic()
         for stale in [c for c in self.cursors if now - c.last_read >= CURSOR_IDLE_S]:
             self._drop_cursor(stale)

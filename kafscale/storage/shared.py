@@ -3,7 +3,7 @@ object, committed in one etcd transaction.
 
 Compacting each partition on its own costs a PUT and a transaction per
 partition with new data every `compaction_lag_ms`; past a few hundred busy
-partitions one broker cannot keep up (about 60 a second, bench/README.md)
+partitions one broker cannot keep up (about 60 a second, bench/history.md)
 and node objects pile up behind the lag. A partition whose compacted segment
 stays small (SHARED_SEGMENT_BYTES) is therefore compacted together with up
 to SHARED_PARTITIONS others (or alone, when it is the only one due: its
@@ -77,7 +77,7 @@ class SliceReads:
     neighbours laid them out side by side in shared objects (read one GET a
     segment, they made about two thirds of compaction's GETs at 1,000
     partitions and 20,000 records/s: 89-93 a second, 27 without them,
-    bench/README.md)."""
+    bench/history.md)."""
 
     def __init__(self, store: ObjectStore, logs: list[PartitionLog], merge_limit: int = 0,
                  most_merged: int = 0) -> None:

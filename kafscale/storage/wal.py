@@ -69,7 +69,7 @@ COMMITTED_TURN = 64  # slices of committed node objects handed to their logs bef
 PARSE_TURN_BYTES = 16 << 10  # directory JSON parsed before other work runs (64 KiB held the loop 5-9 ms here)
 # slices of the directories a collector pass checks or counts before other work runs (1.5-4 ms here): a turn
 # every 50 directories held the event loop for 79 ms when each held MAX_SLICES slices (10,000 partitions and
-# more), and the shared objects' ranges were counted with no turn at all; bench/README.md, session 69
+# more), and the shared objects' ranges were counted with no turn at all; bench/history.md, session 69
 COLLECT_TURN = 1000
 # node object summaries a flusher keeps for its broker's collector (NodeFlusher.handed_over) at most: it
 # takes them every half compaction_lag_ms (about 60 objects at 20,000 records/s over 1,000 partitions)
@@ -116,7 +116,7 @@ def directory(key: str, created_ms: int, slices: list[Slice], topic_ids: dict[st
     array, not an object with a key per field: an entry repeated its topic's
     name and id and eleven field names, about 200 bytes a slice against 70,
     and etcd's write-ahead log took every byte of it at every node commit
-    (bench/README.md, session 56). The rows are written natively
+    (bench/history.md, session 56). The rows are written natively
     (_native.directory_rows; a node flush's by _native.assemble_node)."""
     places: dict[str, int] = {}
     rows = _native.directory_rows(slices, places, _dumps)
@@ -270,7 +270,7 @@ class Linger:
     about a fifth more objects under steady load at 100 and 1,000
     partitions, and their acknowledgements' p99 rose by a quarter; going at
     once after a gap of linger_ms even with objects under way cut the first
-    batch of librdkafka's bursts alone (bench/README.md, session 30); also
+    batch of librdkafka's bursts alone (bench/history.md, session 30); also
     cutting the batches behind an object as soon as it committed wrote 1.3
     to 1.6 times the objects at 100 partitions for no clear gain in the ack
     p99 (session 34)."""
@@ -374,7 +374,7 @@ class NodeFlusher:
         self.queued: dict[PartitionLog, None] = {}  # logs with batches queued, in the order they queued them
         # logs that got committed slices (the compaction loop looks at these only, and drops those with
         # none left: at 10,000 idle partitions, checking every open log each second cost the log process
-        # a sixth of its CPU; bench/README.md)
+        # a sixth of its CPU; bench/history.md)
         self.sliced: dict[PartitionLog, None] = {}
         self.queued_bytes = 0
         self._linger = Linger()
@@ -389,7 +389,7 @@ class NodeFlusher:
         self._loop: asyncio.Task[None] | None = None
         # the summaries of the node objects committed since the collector last took them (handed_over): the
         # collector of this broker need not read and parse their directories back from etcd (that was two
-        # thirds of its time at 20,000 records/s over 1,000 partitions; bench/README.md, session 95)
+        # thirds of its time at 20,000 records/s over 1,000 partitions; bench/history.md, session 95)
         self._summaries: dict[bytes, Summary] = {}
 
     async def start(self, lease: Any) -> None:
@@ -667,7 +667,7 @@ def summary(key: str, shared: bool, slices: Iterable[tuple[str, str, int, int, i
     among them, the partition and the offsets as 8-byte integers. Its slices
     are one bytes object, no objects of Python's cyclic collector: a tuple
     each (one per slice, kept for the compaction lag) were a third of what
-    each young collection of the log process went through (bench/README.md)."""
+    each young collection of the log process went through (bench/history.md)."""
     topics: dict[tuple[str, str], int] = {}
     rows = array("q")
     for topic, tid, p, base, last in slices:
@@ -692,7 +692,7 @@ def _summary(raw: bytes, shared: bool) -> Summary:
     (its topic's place among the directory's topics, partition, base, last
     offset), so they are taken as they are: a tuple a slice through
     directory_slices and summary cost 1.37 us a slice of a 1,000-row
-    directory, this 0.89 (json.loads alone 0.66; bench/README.md, session 91)."""
+    directory, this 0.89 (json.loads alone 0.66; bench/history.md, session 91)."""
     d = json.loads(raw)
     topics = d.get("topics")
     if topics is None:  # written before rows: an object per slice
@@ -719,7 +719,7 @@ def _done_rows(s: Summary, start: int, floors: list[np.ndarray | None]) -> int:
     floor (_floor, by the summary's topic places; None: all of that topic's
     are done). One array operation for all of them: a call a slice took a
     twentieth of the log process's event-loop thread at 20,000 records/s
-    over 1,000 partitions (bench/README.md, session 95)."""
+    over 1,000 partitions (bench/history.md, session 95)."""
     rows = np.frombuffer(s[3], dtype=np.int64).reshape(-1, SUMMARY_ROW)[start:]
     done = np.ones(len(rows), dtype=bool)
     for place, floor in enumerate(floors):
@@ -812,13 +812,13 @@ class Collector:
         # wal/ or shared/ key -> how many of its slices, from the first, a pass found done. They stay
         # done (checkpoints and log starts only move forward, a deleted topic's id never comes back, a
         # merged segment stays merged), so the next pass starts after them (checking from the first
-        # slice every pass was a third of the collector's time at 1,000 partitions: bench/README.md)
+        # slice every pass was a third of the collector's time at 1,000 partitions: bench/history.md)
         self._done: dict[bytes, int] = {}
         self._shared = SharedRanges()
         self._orphans_swept = 0.0
         # every claimed partition's (high watermark, log start) by topic and partition, as of etcd
         # revision _marks_at: a pass reads only the states written since (at 10,000 idle partitions,
-        # reading and parsing all of them was a quarter of the log process's CPU; bench/README.md)
+        # reading and parsing all of them was a quarter of the log process's CPU; bench/history.md)
         self._marks: dict[str, dict[int, tuple[int, int]]] = {}
         self._marks_at = 0
 
@@ -894,7 +894,7 @@ class Collector:
         A live fence's objects are never orphans, so only the gone fences'
         prefixes are listed: listing every node object (most of them a live
         fence's) took the store long enough to hold up the node flushes' PUTs
-        (on SeaweedFS, by 130 ms at 600 objects: bench/README.md)."""
+        (on SeaweedFS, by 130 ms at 600 objects: bench/history.md)."""
         live_fences = await self.meta.fences()
         now = time.time()
         for root in (node_prefix(self.namespace), shared_prefix(self.namespace)):

@@ -89,7 +89,7 @@ func main() {
 	// latency counts from when it was offered) until this goroutine hands it to Sarama.
 	// With ChannelBufferSize 1 << 16 instead, 10,000 partitions' channels took 4.4 GB
 	// and the collector's passes over them, early in a load, held records for 100 ms
-	// and more with nothing behind the listener (bench/README.md, session 91).
+	// and more with nothing behind the listener (bench/history.md, session 91).
 	queue := make(chan *sarama.ProducerMessage, 2_000_000)
 	fed := make(chan struct{})
 	go func() {
