@@ -38,7 +38,7 @@ STARTUP_FAILED = 2
 LOG_SWITCH_INTERVAL_S = 0.0005  # see start_log
 
 
-GC_THRESHOLDS = (50_000, 5, 80)  # young objects before a collection; every 5th also collects the middle
+GC_THRESHOLDS = (200_000, 1, 80)  # young objects before a collection; every 2nd also collects the middle
 # generation, every 80th of those everything
 
 
@@ -75,12 +75,22 @@ def _tune_gc() -> None:
     the collector ran hundreds of times a second and was 32% of the log
     process's time at 1,000 partitions (py-spy; 6% after). What is alive
     after the imports is frozen (never scanned, and not copied by the forked
-    children's scans). The middle generation is collected every 5 young
-    collections, not 20: at 10,000 partitions each of its collections held
-    the log process for up to 580 ms at 20 (everything that lived through 20
-    young collections), and up to 156 ms at 5 (the same time in all); the
-    full collection comes every 80 of those, as often as before. Forked
-    children inherit both."""
+    children's scans). A young collection goes through the young objects
+    still alive, nearly all of them a request's under way (its payloads'
+    views and handles, queued batches, answers, slices, manifests): with
+    a collection every 50,000 of them, one came about as often as a request
+    took, so nearly every object a request made was gone through. Every
+    200,000, a collection comes a quarter as often and fewer of a request's
+    objects are alive when it does: at 10,000 partitions and 20,000
+    records/s the collections over 5 ms during a 30 s load fell from 2.3-2.7
+    s to 0.3-0.4, and at 1,000 partitions Sarama's ack p99 from a median of
+    559 ms to 362 over six alternating pairs (librdkafka at 100 partitions:
+    within the runs' spread; bench/README.md, session 100). The middle
+    generation is then collected every 2nd young collection, no more often
+    in time than every 5th was at 50,000 (at 20, each of its collections held
+    the log process for up to 580 ms at 10,000 partitions: everything that
+    lived through 20 young collections); the full collection comes every 80
+    of those. Forked children inherit both."""
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
 
