@@ -86,11 +86,11 @@ def _tune_gc() -> None:
     s to 0.3-0.4, and at 1,000 partitions Sarama's ack p99 from a median of
     559 ms to 362 over six alternating pairs (librdkafka at 100 partitions:
     within the runs' spread; bench/README.md, session 100). The middle
-    generation is then collected every 2nd young collection, no more often
-    in time than every 5th was at 50,000 (at 20, each of its collections held
-    the log process for up to 580 ms at 10,000 partitions: everything that
-    lived through 20 young collections); the full collection comes every 80
-    of those. Forked children inherit both."""
+    generation is collected every 2nd young collection, so that what it goes
+    through does not grow with the young threshold (at 20 young collections
+    to 50,000, each of its collections held the log process for up to 580 ms
+    at 10,000 partitions: everything that lived through 20 of them); the full
+    collection comes every 80 of those. Forked children inherit both."""
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
 
