@@ -80,8 +80,8 @@ def _tune_gc() -> None:
     views and handles, queued batches, answers, slices, manifests): with
     a collection every 50,000 of them, one came about as often as a request
     took, so nearly every object a request made was gone through. Every
-    200,000, a collection comes a quarter as often and fewer of a request's
-    objects are alive when it does: at 10,000 partitions and 20,000
+    200,000, a collection comes about a quarter as often and fewer of a
+    request's objects are alive when it does: at 10,000 partitions and 20,000
     records/s the collections over 5 ms during a 30 s load fell from 2.3-2.7
     s to 0.3-0.4, and at 1,000 partitions Sarama's ack p99 from a median of
     559 ms to 362 over six alternating pairs (librdkafka at 100 partitions:
